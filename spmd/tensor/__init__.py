@@ -1,0 +1,25 @@
+"""spmd.tensor: distributed tensors over an n-d device mesh (the ``torch.distributed.tensor`` API)."""
+
+from spmd.tensor import ops  # noqa: F401  (registers every sharding rule)
+from spmd.tensor.api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "init_device_mesh",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "Placement",
+    "distribute_tensor",
+    "distribute_module",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "rand",
+    "randn",
+]

@@ -1,0 +1,206 @@
+"""Making DTensors: distribute_tensor, distribute_module and the factory functions."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
+from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, normalize_placements
+
+__all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn"]
+
+
+def _resolve_placements(
+    mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int
+) -> tuple[Placement, ...]:
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    return normalize_placements(placements, mesh, ndim)
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Lay ``tensor`` out on ``device_mesh``: every rank keeps only its shard.
+
+    The data of mesh coordinate 0 is what ends up in the DTensor (scattered for Shard, broadcast
+    for Replicate), so ranks may pass the same tensor or only rank 0's needs to be meaningful.
+    With ``src_data_rank=None`` each rank keeps its own copy's pieces and nothing is sent.
+    """
+    if isinstance(tensor, DTensor):
+        wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
+        if tensor.device_mesh != device_mesh or tensor.placements != wanted:
+            raise ValueError(
+                f"distribute_tensor got a DTensor laid out as {tensor._spec}; use .redistribute() to change it"
+            )
+        return tensor
+    placements = _resolve_placements(device_mesh, placements, tensor.ndim)
+    local = tensor.detach()
+    if device_mesh.device_type != local.device.type:
+        local = local.to(device_mesh.device_type)
+    coordinate = device_mesh._require_coordinate()
+    for d, p in enumerate(placements):
+        index = coordinate[d]
+        n = device_mesh.size(d)
+        if isinstance(p, Shard):
+            sizes = shard_sizes(local.size(p.dim), n)
+            pieces = list(torch.split(local, sizes, dim=p.dim)) if local.size(p.dim) else [local] * n
+            if src_data_rank is None:
+                local = pieces[index].contiguous()
+                continue
+            width = sizes[0]
+            padded = [_pad_to(piece, p.dim, width) for piece in pieces]
+            block = device_mesh.get_communicator(d).scatter(torch.stack(padded), 0)
+            local = block.narrow(p.dim, 0, sizes[index]).contiguous()
+        else:
+            if src_data_rank is not None:
+                local = device_mesh.get_communicator(d).broadcast(local, 0)
+            if isinstance(p, Partial) and p.reduce_op == "sum" and index != 0:
+                local = torch.zeros_like(local)
+    if local is tensor:
+        local = local.clone()
+    meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
+    return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
+
+
+def _pad_to(piece: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    if piece.size(dim) == width:
+        return piece
+    shape = list(piece.shape)
+    shape[dim] = width - piece.size(dim)
+    return torch.cat([piece, piece.new_zeros(shape)], dim)
+
+
+def distribute_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
+    input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
+    output_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
+) -> nn.Module:
+    """Turn a module's parameters and buffers into DTensors and hook its inputs and outputs.
+
+    ``partition_fn(name, submodule, mesh)`` runs on every submodule and may replace parameters with
+    sharded DTensors; whatever it leaves as a plain tensor is replicated. ``input_fn`` /
+    ``output_fn`` run before / after ``module.forward`` to convert inputs and outputs.
+    """
+    if getattr(module, "_spmd_distributed", False):
+        raise RuntimeError("distribute_module was already called on this module; call it once")
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, device_mesh)
+        _replicate_leftovers(submodule, device_mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    module._spmd_distributed = True  # type: ignore[assignment]
+    return module
+
+
+def _replicate_leftovers(module: nn.Module, mesh: DeviceMesh) -> None:
+    replicate = [Replicate()] * mesh.ndim
+    for name, param in list(module._parameters.items()):
+        if param is not None and not isinstance(param, DTensor):
+            module.register_parameter(
+                name, nn.Parameter(distribute_tensor(param.data, mesh, replicate), param.requires_grad)
+            )
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and not isinstance(buffer, DTensor):
+            module._buffers[name] = distribute_tensor(buffer, mesh, replicate)
+
+
+# ----- factories -----------------------------------------------------------------------------------
+def _size_arg(size: tuple[Any, ...]) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        return tuple(int(s) for s in size[0])
+    return tuple(int(s) for s in size)
+
+
+def _factory(
+    fill: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    size: tuple[Any, ...],
+    *,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    dtype: torch.dtype | None,
+    requires_grad: bool,
+    zero_partials: bool,
+) -> DTensor:
+    if device_mesh is None:
+        raise ValueError("DTensor factories need device_mesh=")
+    shape = _size_arg(size)
+    dtype = dtype or torch.get_default_dtype()
+    placements = _resolve_placements(device_mesh, placements, len(shape))
+    local_shape, _ = local_shape_and_offset(shape, device_mesh, placements)
+    local = fill(local_shape, dtype).to(device_mesh.device_type)
+    coordinate = device_mesh._require_coordinate()
+    for d, p in enumerate(placements):
+        # A sum-partial constant lives on coordinate 0 only, so the reduction gives the constant.
+        if zero_partials and isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[d] != 0:
+            local = torch.zeros_like(local)
+    meta = TensorMeta(shape, contiguous_strides(shape), dtype)
+    return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
+
+
+def zeros(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    """A DTensor of zeros with global shape ``size``."""
+    return _factory(lambda s, dt: torch.zeros(s, dtype=dt), size, device_mesh=device_mesh,
+                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=False)
+
+
+def ones(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    """A DTensor of ones with global shape ``size``."""
+    return _factory(lambda s, dt: torch.ones(s, dtype=dt), size, device_mesh=device_mesh,
+                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=True)
+
+
+def empty(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    """An uninitialised DTensor with global shape ``size``."""
+    return _factory(lambda s, dt: torch.empty(s, dtype=dt), size, device_mesh=device_mesh,
+                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=False)
+
+
+def full(size: Sequence[int], fill_value: Any, *, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> DTensor:
+    """A DTensor filled with ``fill_value`` with global shape ``size``."""
+    return _factory(lambda s, dt: torch.full(s, fill_value, dtype=dt), (size,), device_mesh=device_mesh,
+                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=True)
+
+
+def _random(sample: Callable[..., torch.Tensor], size: tuple[Any, ...], device_mesh: DeviceMesh | None,
+            placements: Sequence[Placement] | None, dtype: torch.dtype | None, requires_grad: bool) -> DTensor:
+    if device_mesh is None:
+        raise ValueError("DTensor factories need device_mesh=")
+    # Coordinate 0 draws the global tensor and distribute_tensor hands out the pieces, so the
+    # values equal a single-device draw and replicas agree.
+    shape = _size_arg(size)
+    full_tensor = sample(shape, dtype=dtype or torch.get_default_dtype())
+    result = distribute_tensor(full_tensor, device_mesh, placements)
+    result.requires_grad_(requires_grad)
+    return result
+
+
+def rand(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    """Uniform [0, 1) values, the same numbers a single device would draw from rank 0's generator."""
+    return _random(torch.rand, size, device_mesh, placements, dtype, requires_grad)
+
+
+def randn(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+    """Standard normal values, the same numbers a single device would draw from rank 0's generator."""
+    return _random(torch.randn, size, device_mesh, placements, dtype, requires_grad)

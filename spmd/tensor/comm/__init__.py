@@ -1,0 +1,57 @@
+"""Collective backends behind one interface: c10d (torch.distributed) and the threaded world."""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed
+
+from spmd.tensor.comm.base import (
+    CollectiveRecord,
+    Communicator,
+    World,
+    add_comm_observer,
+    remove_comm_observer,
+)
+from spmd.tensor.comm.threaded import (
+    CollectiveAbortedError,
+    CollectiveTimeoutError,
+    ThreadedWorld,
+    current_threaded_world,
+    run_threaded,
+)
+
+__all__ = [
+    "CollectiveAbortedError",
+    "CollectiveRecord",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "ThreadedWorld",
+    "World",
+    "add_comm_observer",
+    "current_world",
+    "remove_comm_observer",
+    "run_threaded",
+]
+
+_c10d_world_lock = threading.Lock()
+_c10d_world: World | None = None
+
+
+def current_world(device_type: str = "cpu") -> World:
+    """The world the caller is a rank of: its threaded world, else the c10d default group.
+
+    Under torchrun the default group is created on first use (gloo for cpu, nccl for cuda).
+    """
+    global _c10d_world
+    threaded = current_threaded_world()
+    if threaded is not None:
+        return threaded
+    from spmd.tensor.comm.c10d import C10dWorld
+
+    with _c10d_world_lock:
+        C10dWorld.ensure_initialized(device_type)
+        # A torchrun job may tear the default group down and start a new one (tests do).
+        if _c10d_world is None or _c10d_world.size != torch.distributed.get_world_size():
+            _c10d_world = C10dWorld()
+        return _c10d_world

@@ -1,0 +1,172 @@
+"""The small interface every collective backend implements, and the one place that records traffic.
+
+A ``Communicator`` is the group of ranks along one mesh dimension. Public methods take and return
+plain local tensors; "stacked" tensors carry one equal-sized block per group member on dim 0, the
+way NCCL lays out all_gather/reduce_scatter buffers. Padding for uneven shards is the caller's
+job (the redistribute executor), so both backends run the same data path.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Communicator", "World", "CollectiveRecord", "add_comm_observer", "remove_comm_observer"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective as one rank issued it: kind, group size and the payload bytes it moved."""
+
+    kind: str
+    group_size: int
+    tensor_bytes: int
+    """Bytes of the full (unsplit) buffer the collective works on, per rank."""
+    ranks: tuple[int, ...]
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a rank receives under the usual ring algorithms: the cost model's unit."""
+        n, size = self.group_size, self.tensor_bytes
+        if n <= 1:
+            return 0
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) * size // n
+        if self.kind in ("all_gather", "reduce_scatter", "all_to_all", "scatter"):
+            return (n - 1) * size // n
+        if self.kind == "broadcast":
+            return size
+        return 0
+
+
+_observers_lock = threading.Lock()
+_observers: list[Callable[[CollectiveRecord], None]] = []
+
+
+def add_comm_observer(observer: Callable[[CollectiveRecord], None]) -> None:
+    """Call ``observer(record)`` for every collective issued from now on (debug tools use this)."""
+    with _observers_lock:
+        _observers.append(observer)
+
+
+def remove_comm_observer(observer: Callable[[CollectiveRecord], None]) -> None:
+    with _observers_lock:
+        if observer in _observers:
+            _observers.remove(observer)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Communicator(ABC):
+    """Collectives over the ranks of one mesh dimension (``ranks`` in group order)."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+        self.size = len(ranks)
+
+    @property
+    @abstractmethod
+    def local_rank(self) -> int:
+        """Index of the calling rank inside ``ranks``."""
+
+    def _record(self, kind: str, tensor_bytes: int) -> None:
+        if _observers:
+            record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks)
+            for observer in list(_observers):
+                observer(record)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Blocks of every member stacked on a new dim 0: shape ``[size, *tensor.shape]``."""
+        self._record("all_gather", _nbytes(tensor) * self.size)
+        return self._all_gather(tensor.contiguous())
+
+    def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        self._record("all_reduce", _nbytes(tensor))
+        return self._all_reduce(tensor.contiguous(), reduce_op)
+
+    def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """Reduce ``stacked`` (``[size, *block]``) over members; member i keeps reduced block i."""
+        self._record("reduce_scatter", _nbytes(stacked))
+        return self._reduce_scatter(stacked.contiguous(), reduce_op)
+
+    def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Member i sends block j to member j; the result stacks the blocks received, by sender."""
+        self._record("all_to_all", _nbytes(stacked))
+        return self._all_to_all(stacked.contiguous())
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Every member gets member ``src``'s tensor (``src`` is an index into ``ranks``)."""
+        self._record("broadcast", _nbytes(tensor))
+        return self._broadcast(tensor.contiguous(), src)
+
+    def scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
+        """Member i gets block i of member ``src``'s ``stacked``; every member passes a same-shaped buffer."""
+        self._record("scatter", _nbytes(stacked))
+        return self._scatter(stacked.contiguous(), src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Small Python values from every member, in group order (used by sanity checks only)."""
+        return self._all_gather_object(obj)
+
+    @abstractmethod
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+class World(ABC):
+    """A set of ranks that can talk: the c10d default group, or an in-process threaded world."""
+
+    size: int
+    backend_name: str
+
+    @abstractmethod
+    def current_rank(self) -> int:
+        """Global rank of the caller."""
+
+    @abstractmethod
+    def communicator(self, ranks: tuple[int, ...]) -> Communicator:
+        """The communicator over ``ranks``; must have been created by ``create_groups``."""
+
+    @abstractmethod
+    def create_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """Create communicators for ``groups``; every rank calls this with the same list, in order."""
+
+
+def reduce_stack(stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """Reduce the blocks of ``stacked`` along dim 0 with ``reduce_op`` (the threaded backend's math)."""
+    if reduce_op == "sum":
+        return stacked.sum(dim=0, dtype=stacked.dtype)
+    if reduce_op == "avg":
+        if stacked.is_floating_point() or stacked.is_complex():
+            return stacked.mean(dim=0)
+        return torch.div(stacked.sum(dim=0), stacked.shape[0], rounding_mode="floor")
+    if reduce_op == "max":
+        return stacked.amax(dim=0)
+    if reduce_op == "min":
+        return stacked.amin(dim=0)
+    raise ValueError(f"unknown reduce op {reduce_op!r}; use one of {REDUCE_OPS}")

@@ -1,0 +1,219 @@
+"""An in-process world: each rank is a thread and collectives hand tensors between threads.
+
+Every collective is built on one primitive, ``exchange``: each member deposits a value for its n-th
+call on the group, waits until all members have deposited, and reads all of them. A rank that
+raises aborts the world, so the others stop waiting at once; a wait longer than ``timeout``
+raises ``CollectiveTimeoutError`` naming the ranks that never arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from spmd.tensor.comm.base import Communicator, World, reduce_stack
+
+__all__ = [
+    "ThreadedWorld",
+    "run_threaded",
+    "CollectiveTimeoutError",
+    "CollectiveAbortedError",
+    "DEFAULT_TIMEOUT_S",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than the world's timeout for other ranks to join."""
+
+
+class CollectiveAbortedError(RuntimeError):
+    """Another rank failed, so this rank's collective was cancelled instead of waiting forever."""
+
+
+_current = threading.local()
+
+
+def current_threaded_world() -> ThreadedWorld | None:
+    """The threaded world the calling thread is a rank of, if any."""
+    return getattr(_current, "world", None)
+
+
+@dataclass
+class _Round:
+    kind: str
+    values: list[Any]
+    arrived: set[int] = field(default_factory=set)
+    left: int = 0
+
+
+class ThreadedWorld(World):
+    """``size`` ranks as threads of this process; communicators are made on first use."""
+
+    backend_name = "threaded"
+
+    def __init__(self, size: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, got world_size={size}")
+        self.size = size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
+        self._next_seq: dict[tuple[tuple[int, ...], int], int] = {}
+        self._communicators: dict[tuple[int, ...], ThreadedCommunicator] = {}
+        self._failure: tuple[int, BaseException] | None = None
+
+    def current_rank(self) -> int:
+        rank = getattr(_current, "rank", None)
+        if rank is None or getattr(_current, "world", None) is not self:
+            raise RuntimeError("this thread is not a rank of the threaded world; call it from run_threaded")
+        return int(rank)
+
+    def communicator(self, ranks: tuple[int, ...]) -> ThreadedCommunicator:
+        comm = self._communicators.get(ranks)
+        if comm is None:
+            with self._cond:
+                comm = self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks))
+        return comm
+
+    def create_groups(self, groups: list[tuple[int, ...]]) -> None:
+        for ranks in groups:
+            self.communicator(ranks)
+
+    def abort(self, rank: int, error: BaseException) -> None:
+        """Record the first failure and wake every waiting rank so it raises instead of hanging."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = (rank, error)
+            self._cond.notify_all()
+
+    def exchange(self, ranks: tuple[int, ...], kind: str, value: Any) -> list[Any]:
+        """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's."""
+        me = self.current_rank()
+        index = ranks.index(me)
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            seq = self._next_seq.get((ranks, me), 0)
+            self._next_seq[(ranks, me)] = seq + 1
+            key = (ranks, seq)
+            rnd = self._rounds.get(key)
+            if rnd is None:
+                rnd = self._rounds[key] = _Round(kind, [None] * len(ranks))
+            if rnd.kind != kind:
+                error = RuntimeError(
+                    f"collective mismatch on ranks {list(ranks)}: rank {me} called {kind} while another "
+                    f"rank called {rnd.kind} as call #{seq}; every rank must issue the same collectives in order"
+                )
+                self._failure = self._failure or (me, error)
+                self._cond.notify_all()
+                raise error
+            rnd.values[index] = value
+            rnd.arrived.add(me)
+            self._cond.notify_all()
+            while len(rnd.arrived) < len(ranks):
+                if self._failure is not None:
+                    rank, cause = self._failure
+                    raise CollectiveAbortedError(
+                        f"rank {me}: {kind} on ranks {list(ranks)} cancelled because rank {rank} failed: "
+                        f"{type(cause).__name__}: {cause}"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(ranks) - rnd.arrived)
+                    raise CollectiveTimeoutError(
+                        f"rank {me}: {kind} on ranks {list(ranks)} timed out after {self.timeout:g}s waiting "
+                        f"for ranks {missing}; check that every rank issues the same collectives"
+                    )
+                self._cond.wait(remaining)
+            values = list(rnd.values)
+            rnd.left += 1
+            if rnd.left == len(ranks):
+                del self._rounds[key]
+        return values
+
+
+class ThreadedCommunicator(Communicator):
+    """Collectives among threads of one ``ThreadedWorld``; results never alias another rank's data."""
+
+    def __init__(self, world: ThreadedWorld, ranks: tuple[int, ...]) -> None:
+        super().__init__(ranks)
+        self.world = world
+
+    @property
+    def local_rank(self) -> int:
+        return self.ranks.index(self.world.current_rank())
+
+    def _exchange(self, kind: str, value: Any) -> list[Any]:
+        return self.world.exchange(self.ranks, kind, value)
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._exchange("all_gather", tensor))
+
+    def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        return reduce_stack(torch.stack(self._exchange("all_reduce", tensor)), reduce_op)
+
+    def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        me = self.local_rank
+        blocks = [s[me] for s in self._exchange("reduce_scatter", stacked)]
+        return reduce_stack(torch.stack(blocks), reduce_op)
+
+    def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
+        me = self.local_rank
+        return torch.stack([s[me] for s in self._exchange("all_to_all", stacked)])
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self._exchange("broadcast", tensor)[src].clone()
+
+    def _scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
+        return self._exchange("scatter", stacked)[src][self.local_rank].clone()
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        return self._exchange("all_gather_object", obj)
+
+
+def run_threaded(
+    fn: Callable[..., T], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` threads, each a rank; return results in rank order.
+
+    Inside ``fn``, ``init_device_mesh("cpu", ...)`` builds meshes over this world exactly as it would
+    under torchrun. If a rank raises, the others are released and the first error is re-raised here
+    with the failing rank in a note (``CollectiveAbortedError`` on the bystanders is not reported).
+    """
+    world = ThreadedWorld(world_size, timeout=timeout)
+    results: list[Any] = [None] * world_size
+
+    def rank_main(rank: int) -> None:
+        _current.world, _current.rank = world, rank
+        try:
+            results[rank] = fn(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - every failure must release the other ranks
+            world.abort(rank, error)
+        finally:
+            _current.world = _current.rank = None
+
+    threads = [
+        threading.Thread(target=rank_main, args=(rank,), name=f"spmd-rank-{rank}", daemon=True)
+        for rank in range(world_size)
+    ]
+    for thread in threads:
+        thread.start()
+    # A rank stuck outside a collective cannot be interrupted; give up on it after the timeout.
+    give_up_at = time.monotonic() + timeout * 2 + 5
+    for thread in threads:
+        thread.join(max(0.0, give_up_at - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if world._failure is not None:
+        rank, error = world._failure
+        if hasattr(error, "add_note"):
+            error.add_note(f"raised on rank {rank} of a threaded world of {world_size}")
+        raise error
+    if stuck:
+        raise CollectiveTimeoutError(f"ranks did not finish within {timeout * 2 + 5:g}s: {', '.join(stuck)}")
+    return results

@@ -1,0 +1,193 @@
+"""DeviceMesh: an n-d grid of ranks with one communicator per mesh dimension."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from spmd.tensor.comm import Communicator, World, current_world
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+
+class DeviceMesh:
+    """Ranks laid out as an n-d array; mesh dim ``d`` groups ranks that differ only in coordinate ``d``.
+
+    Every rank builds the same mesh (SPMD). The mesh is a value: equal meshes compare and hash
+    equal, and one object may be shared by the threads of a threaded world, because the calling
+    rank is looked up at call time.
+
+    >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence[Any],
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        _world: World | None = None,
+        _create_groups: bool = True,
+    ) -> None:
+        ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        if ranks.ndim == 0:
+            ranks = ranks.reshape(1)
+        self.device_type = device_type
+        self.mesh = ranks
+        self._shape = tuple(ranks.shape)
+        self._flat = tuple(int(r) for r in ranks.flatten().tolist())
+        if len(set(self._flat)) != len(self._flat):
+            raise ValueError(f"a DeviceMesh lists each rank once; got {ranks.tolist()}")
+        if mesh_dim_names is not None:
+            mesh_dim_names = tuple(mesh_dim_names)
+            if len(mesh_dim_names) != ranks.ndim or len(set(mesh_dim_names)) != ranks.ndim:
+                raise ValueError(
+                    f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once"
+                )
+        self.mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
+        self._world = _world if _world is not None else current_world(device_type)
+        if max(self._flat) >= self._world.size or min(self._flat) < 0:
+            raise ValueError(
+                f"mesh ranks {sorted(self._flat)} do not fit a world of {self._world.size} ranks"
+            )
+        strides = [math.prod(self._shape[d + 1 :]) for d in range(len(self._shape))]
+        self._coordinates = {
+            rank: tuple((i // strides[d]) % self._shape[d] for d in range(len(self._shape)))
+            for i, rank in enumerate(self._flat)
+        }
+        # _dim_groups[d][rank] is the tuple of ranks sharing every coordinate but d with rank.
+        self._dim_groups: list[dict[int, tuple[int, ...]]] = []
+        for d in range(ranks.ndim):
+            rows = ranks.movedim(d, -1).reshape(-1, self._shape[d]).tolist()
+            self._dim_groups.append({r: tuple(row) for row in rows for r in row})
+        if _create_groups:
+            groups = sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
+            self._world.create_groups(groups)
+        self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names))
+
+    # ----- shape -----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks along ``mesh_dim``, or in the whole mesh when it is None."""
+        if mesh_dim is None:
+            return len(self._flat)
+        return self._shape[self.dim_index(mesh_dim)]
+
+    def dim_index(self, mesh_dim: int | str) -> int:
+        """The integer index of a mesh dim given by index or by name."""
+        if isinstance(mesh_dim, str):
+            if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"mesh has no dim named {mesh_dim!r}; its dims are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh")
+        return mesh_dim % self.ndim
+
+    # ----- ranks -----------------------------------------------------------------------------------
+    def get_rank(self) -> int:
+        """The caller's global rank."""
+        return self._world.current_rank()
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """The caller's coordinate in the mesh, or None if it is not part of it."""
+        return self._coordinates.get(self._world.current_rank())
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """The caller's coordinate along ``mesh_dim`` (may be omitted on a 1-d mesh)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_local_rank needs a mesh_dim on a {self.ndim}-d mesh")
+            mesh_dim = 0
+        coordinate = self._require_coordinate()
+        return coordinate[self.dim_index(mesh_dim)]
+
+    def _require_coordinate(self) -> tuple[int, ...]:
+        coordinate = self.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(f"rank {self.get_rank()} is not part of {self!r}")
+        return coordinate
+
+    def get_communicator(self, mesh_dim: int | str) -> Communicator:
+        """The caller's communicator along ``mesh_dim``."""
+        dim = self.dim_index(mesh_dim)
+        return self._world.communicator(self._dim_groups[dim][self._world.current_rank()])
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        """The process group along ``mesh_dim`` (a c10d group under torchrun, else the communicator)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group needs a mesh_dim on a {self.ndim}-d mesh")
+            mesh_dim = 0
+        comm = self.get_communicator(mesh_dim)
+        return getattr(comm, "group", comm)
+
+    # ----- sub-meshes ------------------------------------------------------------------------------
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        """The sub-mesh over the named dims that contains the caller, e.g. ``mesh["tp"]``."""
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        dims = [self.dim_index(name) for name in wanted]
+        coordinate = self._require_coordinate()
+        index = tuple(slice(None) if d in dims else coordinate[d] for d in range(self.ndim))
+        sub = self.mesh[index]
+        order = sorted(range(len(dims)), key=lambda i: dims[i])
+        sub = sub.permute([order.index(i) for i in range(len(dims))]) if len(dims) > 1 else sub
+        # Every group of the sub-mesh is a group of this mesh, so nothing new is created.
+        return DeviceMesh(
+            self.device_type, sub, mesh_dim_names=wanted, _world=self._world, _create_groups=False
+        )
+
+    # ----- value semantics -------------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.device_type == other.device_type
+            and self._shape == other._shape
+            and self._flat == other._flat
+            and self.mesh_dim_names == other.mesh_dim_names
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    def __str__(self) -> str:
+        names = self.mesh_dim_names or tuple(f"d{i}" for i in range(self.ndim))
+        return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, self._shape)) + ")"
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> DeviceMesh:
+    """A mesh of ``mesh_shape`` over every rank of the current world, ranks in row-major order.
+
+    Under torchrun this uses the default c10d group (started on first use: gloo for cpu, nccl for
+    cuda); inside ``spmd.testing.run_threaded`` it uses the threaded world.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    world = current_world(device_type)
+    if math.prod(mesh_shape) != world.size:
+        raise ValueError(
+            f"mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world.size}; "
+            "make the product of the mesh shape equal the world size"
+        )
+    ranks = torch.arange(world.size).reshape(mesh_shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world)

@@ -1,0 +1,247 @@
+"""DTensor: a torch.Tensor subclass standing for a global tensor laid out over a DeviceMesh.
+
+Each rank holds its local shard (``to_local()``) and a frozen ``DTensorSpec``. Aten ops go through
+``__torch_dispatch__`` to the dispatcher; ``from_local``, ``to_local``, ``redistribute`` and
+``full_tensor`` are autograd functions, so gradients come back with the right placements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
+from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
+from spmd.tensor.spec import (
+    DTensorSpec,
+    TensorMeta,
+    contiguous_strides,
+    local_shape_and_offset,
+    normalize_placements,
+)
+
+__all__ = ["DTensor"]
+
+
+class DTensor(torch.Tensor):
+    """A global tensor: ``shape`` is global, ``to_local()`` is this rank's shard."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ["_local_tensor", "_spec"]
+
+    # Run Python-level torch functions as plain tensor code; only aten ops reach the dispatcher.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+        meta = spec.tensor_meta
+        if local_tensor.requires_grad and not requires_grad:
+            local_tensor = local_tensor.detach()
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            dtype=meta.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"DTensor(local_tensor={self._local_tensor}, spec={self._spec})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from spmd.tensor.dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # ----- metadata ---------------------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    # ----- conversions ------------------------------------------------------------------------------
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> DTensor:
+        """Wrap each rank's ``local_tensor`` as the shard of one global DTensor (no data moves).
+
+        Without ``shape`` the global shape assumes even shards (local size times the shard count);
+        pass ``shape`` for uneven ones, or ``run_check=True`` to gather every rank's local shape,
+        check them against each other and, for Replicate dims, broadcast the data of coordinate 0.
+        """
+        if device_mesh is None:
+            raise ValueError("from_local needs a device_mesh")
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
+        placements = normalize_placements(placements, device_mesh, local_tensor.ndim)
+        return _FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard as a plain tensor (autograd flows back into the DTensor).
+
+        ``grad_placements`` says how the gradient of the local tensor is laid out, when it is
+        not laid out as this DTensor is (e.g. ``[Partial()]`` for per-rank losses).
+        """
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """The same global tensor laid out as ``placements`` (collectives as the plan needs)."""
+        if device_mesh is not None and device_mesh != self._spec.mesh:
+            raise ValueError(
+                f"cannot redistribute from {self._spec.mesh} to another mesh {device_mesh}; "
+                "redistribute only changes placements on the same mesh"
+            )
+        if placements is None:
+            raise ValueError("redistribute needs placements, e.g. [Replicate()]")
+        target = normalize_placements(placements, self._spec.mesh, self.ndim)
+        if target == self._spec.placements:
+            return self
+        return Redistribute.apply(self, target)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank, as a plain tensor."""
+        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _infer_global_shape(
+    local_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    shape = list(local_shape)
+    for size, p in zip(mesh.shape, placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= size
+    return tuple(shape)
+
+
+def _check_and_gather_shape(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
+) -> tuple[int, ...]:
+    """run_check: compare every rank's local meta and return the global shape it implies."""
+    # Gather (coordinate, local shape, dtype) from the whole mesh, one mesh dim at a time.
+    entry = (mesh._require_coordinate(), tuple(local.shape), str(local.dtype))
+    gathered: list[Any] = [entry]
+    for d in range(mesh.ndim):
+        comm = mesh.get_communicator(d)
+        gathered = [item for part in comm.all_gather_object(gathered) for item in part]
+    metas: list[tuple[tuple[int, ...], tuple[int, ...], str]] = gathered
+    dtypes = {m[2] for m in metas}
+    if len(dtypes) != 1:
+        raise ValueError(f"from_local: ranks passed local tensors of different dtypes {sorted(dtypes)}")
+    ndims = {len(m[1]) for m in metas}
+    if len(ndims) != 1:
+        raise ValueError(f"from_local: ranks passed local tensors of different ranks (ndim) {sorted(ndims)}")
+    global_shape = list(shape) if shape is not None else None
+    by_coord = {m[0]: m[1] for m in metas}
+    ndim = ndims.pop()
+    if global_shape is None:
+        global_shape = []
+        for dim in range(ndim):
+            mesh_dims = [d for d, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+            if not mesh_dims:
+                global_shape.append(local.shape[dim])
+                continue
+            # Sum the pieces along the mesh dims that shard this tensor dim, at coordinate 0 elsewhere.
+            total = 0
+            for coord, lshape in by_coord.items():
+                if all(c == 0 for d, c in enumerate(coord) if d not in mesh_dims):
+                    total += lshape[dim]
+            global_shape.append(total)
+    for coord, lshape in sorted(by_coord.items()):
+        expected, _ = local_shape_and_offset(global_shape, mesh, placements, coord)
+        if tuple(lshape) != expected:
+            raise ValueError(
+                f"from_local: the rank at mesh coordinate {coord} passed a local tensor of shape "
+                f"{list(lshape)}, but placements {[str(p) for p in placements]} of a global tensor of "
+                f"shape {global_shape} give it {list(expected)}; pass local shards of torch.chunk sizes "
+                f"(uneven pieces e.g. {shard_sizes(7, 4)} for 7 over 4) or the right shape="
+            )
+    return tuple(global_shape)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local: torch.Tensor,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        run_check: bool,
+        shape: Sequence[int] | None,
+        stride: Sequence[int] | None,
+    ) -> DTensor:
+        if run_check:
+            global_shape = _check_and_gather_shape(local, mesh, placements, shape)
+            for d, p in enumerate(placements):
+                if isinstance(p, Replicate):
+                    local = mesh.get_communicator(d).broadcast(local.detach(), 0)
+        elif shape is not None:
+            global_shape = tuple(shape)
+        else:
+            global_shape = _infer_global_shape(local.shape, mesh, placements)
+        if stride is None:
+            stride = contiguous_strides(global_shape)
+        spec = DTensorSpec(mesh, placements, TensorMeta(tuple(global_shape), tuple(stride), local.dtype))
+        ctx.spec = spec
+        # The DTensor must not alias the caller's tensor object for autograd, but may share storage.
+        return DTensor(local.view_as(local), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:  # type: ignore[override]
+        spec: DTensorSpec = ctx.spec
+        target = grad_placements_for(spec.placements)
+        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        for d, p in enumerate(spec.placements):
+            if isinstance(p, Partial):
+                if p.reduce_op == "avg":
+                    local = local / spec.mesh.shape[d]
+                elif p.reduce_op != "sum":
+                    raise NotImplementedError(
+                        f"the gradient of from_local with {p} is not defined here; "
+                        f"redistribute to Replicate() before the op that needs the gradient"
+                    )
+        return local, None, None, None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: DTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = input._spec
+        ctx.grad_placements = grad_placements
+        return input._local_tensor.view_as(input._local_tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:  # type: ignore[override]
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        grad_spec = DTensorSpec(
+            spec.mesh, tuple(placements), TensorMeta(spec.shape, contiguous_strides(spec.shape), grad.dtype)
+        )
+        return DTensor(grad, grad_spec, requires_grad=False), None

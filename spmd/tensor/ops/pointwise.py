@@ -1,0 +1,92 @@
+"""Elementwise ops: any matching shard of broadcast operands; partials only where the op is linear.
+
+Algebra (per mesh dim, broadcasting aligned from the right):
+  unary f:    S(d) -> S(d); R -> R; P must be reduced first (relu, exp, ...)
+  neg, x*c:   additionally P(sum|avg) -> P
+  add, sub:   S(d) x S(d) -> S(d); P x P -> P (sum with a scalar operand only for avg)
+  mul:        P x R -> P; R x P -> P
+  div:        P x R -> P
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from spmd.tensor.ops.common import LINEAR_PARTIALS, R, pointwise_candidates
+from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+
+aten = torch.ops.aten
+
+UNARY_OPS = [
+    "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "exp", "expm1", "floor", "log", "log1p",
+    "log2", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "square",
+    "tan", "tanh", "trunc", "gelu", "silu", "bitwise_not", "logical_not",
+]
+BINARY_NONLINEAR_OPS = [
+    "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "logical_and", "logical_or",
+    "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide",
+]
+
+
+def _packets(names: Sequence[str], *, modes: bool = True) -> list[object]:
+    """Functional and in-place overloads of each aten op (``out=`` overloads are not handled yet).
+
+    With ``modes=False`` the rounding-mode overloads (``div.Tensor_mode``) are left out: they are
+    not linear, so they must not share the linear rule.
+    """
+    found = []
+    for name in names:
+        for variant in (name, name + "_"):
+            packet = getattr(aten, variant, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                if "out" in overload or (not modes and "mode" in overload):
+                    continue
+                found.append(getattr(packet, overload))
+    return found
+
+
+@register_rule(
+    *_packets(UNARY_OPS + BINARY_NONLINEAR_OPS + ["threshold", "gelu_backward", "sigmoid_backward", "tanh_backward"]),
+    aten.div.Tensor_mode,
+    aten.div.Scalar_mode,
+    aten.div_.Tensor_mode,
+    aten.div_.Scalar_mode,
+)
+def nonlinear_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """f(S(d), ...) -> S(d): partial inputs are reduced before the op."""
+    return pointwise_candidates(call)
+
+
+@register_rule(*_packets(["add", "sub"]))
+def additive_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x S(d) -> S(d); P(sum) x P(sum) -> P(sum)."""
+    return pointwise_candidates(call, linearity="additive")
+
+
+@register_rule(*_packets(["mul"]))
+def mul_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x S(d) -> S(d); P x R -> P; R x P -> P; P x scalar -> P."""
+    candidates = pointwise_candidates(call, linearity="multiplicative")
+    if len(call.input_specs) == 2 and not _is_inplace_name(call):
+        candidates += [OpStrategy((R, p), (p,)) for p in LINEAR_PARTIALS]
+    return candidates
+
+
+@register_rule(*_packets(["div", "threshold_backward", "silu_backward"], modes=False))
+def linear_in_first_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """P x R -> P: linear in the first operand (the numerator, or the incoming gradient)."""
+    return pointwise_candidates(call, linearity="multiplicative")
+
+
+@register_rule(*_packets(["neg"]))
+def neg_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """-(P) -> P."""
+    return pointwise_candidates(call, linearity="unary")
+
+
+def _is_inplace_name(call: OpCall) -> bool:
+    return call.op._schema.name.endswith("_")

@@ -1,0 +1,114 @@
+"""The one registry of sharding rules: aten overload -> rule function.
+
+A rule is a pure function of an ``OpCall`` (the op, its arguments with DTensors replaced by their
+specs, and the global metas of its outputs). It returns the candidate ``OpStrategy`` values for
+*one* mesh dim: the placements each DTensor input must have and the placements of each output.
+The propagator expands candidates to n-d meshes and picks the cheapest. Rules never communicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from spmd.tensor.placement import Placement
+from spmd.tensor.spec import DTensorSpec, TensorMeta
+
+__all__ = ["OpStrategy", "OpCall", "Rule", "OpRegistry", "REGISTRY", "register_rule"]
+
+
+@dataclass(frozen=True, slots=True)
+class OpStrategy:
+    """Inputs' required placements -> outputs' placements, on one mesh dim."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement | None, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(p) for p in self.inputs)
+        outs = ", ".join(str(p) for p in self.outputs)
+        return f"{ins} -> {outs}"
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """What a rule sees of one call: specs in place of DTensors, plus the outputs' global metas."""
+
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    input_specs: tuple[DTensorSpec, ...]
+    output_metas: tuple[TensorMeta | None, ...]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Positional ``index`` or keyword ``name`` of the call, else ``default``."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    @property
+    def mesh_ndim(self) -> int:
+        return self.input_specs[0].mesh.ndim
+
+
+Rule = Callable[[OpCall], Sequence[OpStrategy]]
+
+
+def _overloads(op: Any) -> list[torch._ops.OpOverload]:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+class OpRegistry:
+    """Maps aten overloads to rules; ``override`` swaps one rule for the length of a ``with``."""
+
+    def __init__(self) -> None:
+        self._rules: dict[Any, Rule] = {}
+        self.version = 0
+        """Bumped on every change so decision caches know to drop their entries."""
+
+    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
+        """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload."""
+
+        def decorate(rule: Rule) -> Rule:
+            for op in ops:
+                for overload in _overloads(op):
+                    self._rules[overload] = rule
+            self.version += 1
+            return rule
+
+        return decorate
+
+    def rule_for(self, op: Any) -> Rule | None:
+        return self._rules.get(op)
+
+    def registered_ops(self) -> list[Any]:
+        return list(self._rules)
+
+    @contextlib.contextmanager
+    def override(self, op: Any, rule: Rule | None) -> Iterator[None]:
+        """Use ``rule`` for ``op`` (None removes it) inside the block; tests use this, not patching."""
+        saved = {o: self._rules.get(o) for o in _overloads(op)}
+        for o in saved:
+            if rule is None:
+                self._rules.pop(o, None)
+            else:
+                self._rules[o] = rule
+        self.version += 1
+        try:
+            yield
+        finally:
+            for o, old in saved.items():
+                if old is None:
+                    self._rules.pop(o, None)
+                else:
+                    self._rules[o] = old
+            self.version += 1
+
+
+REGISTRY = OpRegistry()
+register_rule = REGISTRY.register

@@ -1,0 +1,112 @@
+"""Placements: how one mesh dimension lays out a tensor (Shard, Replicate, Partial).
+
+Placements are plain frozen values. They carry no communication code: every collective lives in
+the redistribute executor. The uneven-shard arithmetic (``shard_sizes``) follows ``torch.chunk``:
+7 rows over 4 ranks are 2, 2, 2, 1 and 5 rows over 4 ranks are 2, 2, 1, 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets"]
+
+
+class Placement:
+    """Base of the three placements; query methods let callers avoid isinstance chains."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """The mesh dimension splits tensor dimension ``dim`` into contiguous chunks, one per rank."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim) takes an int dim, got {self.dim!r}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank along the mesh dimension holds the whole (not yet sharded) tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Every rank holds a partial value; the logical tensor is their reduction by ``reduce_op``."""
+
+    reduce_op: str = "sum"
+    REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min")
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in self.REDUCE_OPS:
+            raise ValueError(
+                f"Partial({self.reduce_op!r}) is not supported; use one of {', '.join(self.REDUCE_OPS)}"
+            )
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    @property
+    def is_linear(self) -> bool:
+        """True for sum and avg: the reduction commutes with addition and scaling."""
+        return self.reduce_op in ("sum", "avg")
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+def shard_sizes(size: int, num_chunks: int) -> list[int]:
+    """Sizes of the ``num_chunks`` pieces of a dimension of ``size``, as ``torch.chunk`` cuts it.
+
+    Chunks are ``ceil(size / num_chunks)`` long; trailing ranks get the remainder or nothing.
+    """
+    if num_chunks <= 0:
+        raise ValueError(f"cannot split into {num_chunks} chunks; the mesh dimension must be >= 1")
+    step = -(-size // num_chunks) if size else 0
+    sizes = []
+    left = size
+    for _ in range(num_chunks):
+        take = min(step, left)
+        sizes.append(take)
+        left -= take
+    return sizes
+
+
+def shard_offsets(size: int, num_chunks: int) -> list[int]:
+    """Start offset of each chunk of ``shard_sizes(size, num_chunks)``."""
+    offsets, start = [], 0
+    for piece in shard_sizes(size, num_chunks):
+        offsets.append(start)
+        start += piece
+    return offsets
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    """Compact form used in logs and errors: ``(S(0), R)``."""
+    return "(" + ", ".join(str(p) for p in placements) + ")"

@@ -1,0 +1,261 @@
+"""Redistribute: plan the steps from one set of placements to another, then run them.
+
+The planner works on placements only (so plans are cached by ``(src, dst)``). A tensor dim that
+several mesh dims shard is cut by the lower mesh dim first, so a step on mesh dim ``d`` that touches
+tensor dim ``k`` is a plain collective over d's group only while no mesh dim after ``d`` shards ``k``.
+The plan keeps that true in three passes:
+
+1. reduce pending partials early, while tensors are smallest (``P -> R``, ``P -> S``);
+2. from the last mesh dim to the first, unshard what must change (``S -> R``, or ``S -> S`` as one
+   all_to_all when nothing later is disturbed);
+3. from the first mesh dim to the last, shard and partition into the target (local, no traffic),
+   finishing any reduction left.
+
+Every collective is issued here, through the mesh's communicators.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_offsets, shard_sizes
+from spmd.tensor.spec import DTensorSpec
+
+__all__ = ["TransformStep", "plan_redistribute", "redistribute_local", "redistribute_cost", "Redistribute"]
+
+logger = logging.getLogger("spmd.tensor.redistribute")
+REPLICATE = Replicate()
+
+
+@dataclass(frozen=True, slots=True)
+class TransformStep:
+    """One placement change on one mesh dim, and the collective that performs it."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+
+    @property
+    def collective(self) -> str:
+        src, dst = self.src, self.dst
+        if isinstance(src, Shard):
+            return "all_to_all" if isinstance(dst, Shard) else "all_gather"
+        if isinstance(src, Partial):
+            return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
+        return "local"
+
+    def describe(self) -> str:
+        detail = {
+            "all_gather": f"all_gather(dim={getattr(self.src, 'dim', '')})",
+            "all_to_all": f"all_to_all({self.src} -> {self.dst})",
+            "all_reduce": f"all_reduce({getattr(self.src, 'reduce_op', '')})",
+            "reduce_scatter": f"reduce_scatter({getattr(self.src, 'reduce_op', '')}, dim={getattr(self.dst, 'dim', '')})",
+            "local": "local chunk" if isinstance(self.dst, Shard) else "local",
+        }[self.collective]
+        return f"mesh dim {self.mesh_dim}: {self.src} -> {self.dst}  {detail}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _shard_dims(p: Placement) -> set[int]:
+    return {p.dim} if isinstance(p, Shard) else set()
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[TransformStep, ...]:
+    """The ordered steps that turn placements ``src`` into ``dst`` (see the module docstring)."""
+    if len(src) != len(dst):
+        raise ValueError(f"cannot redistribute {len(src)} placements into {len(dst)}")
+    n = len(src)
+    cur = list(src)
+    involved = [_shard_dims(src[d]) | _shard_dims(dst[d]) for d in range(n)]
+    rebuilt = [False] * n
+    for d in range(n):
+        rebuilt[d] = src[d] != dst[d] or (
+            isinstance(src[d], Shard) and any(rebuilt[e] and src[d].dim in involved[e] for e in range(d))
+        )
+    steps: list[TransformStep] = []
+
+    def move(d: int, to: Placement) -> None:
+        steps.append(TransformStep(d, cur[d], to))
+        cur[d] = to
+
+    def free_after(d: int, dims: set[int]) -> bool:
+        return not any(isinstance(cur[e], Shard) and cur[e].dim in dims for e in range(d + 1, n))
+
+    def safe_target(d: int, target: Placement) -> bool:
+        """Sharding ``target`` at d now must not block an earlier mesh dim that is still to change."""
+        dims = _shard_dims(target)
+        return free_after(d, dims | _shard_dims(cur[d])) and not any(
+            rebuilt[e] and involved[e] & dims for e in range(d)
+        )
+
+    for d in reversed(range(n)):
+        if rebuilt[d] and isinstance(cur[d], Partial):
+            if isinstance(dst[d], Replicate):
+                move(d, dst[d])
+            elif isinstance(dst[d], Shard) and safe_target(d, dst[d]):
+                move(d, dst[d])
+    for d in reversed(range(n)):
+        if rebuilt[d] and isinstance(cur[d], Shard):
+            target = dst[d]
+            if isinstance(target, Shard) and target != cur[d] and safe_target(d, target):
+                move(d, target)
+            else:
+                move(d, REPLICATE)
+    for d in range(n):
+        if cur[d] == dst[d]:
+            continue
+        if isinstance(cur[d], Partial) and isinstance(dst[d], Partial):
+            move(d, REPLICATE)
+        move(d, dst[d])
+    if cur != list(dst):  # the passes above are complete; this guards future edits
+        raise AssertionError(f"redistribute plan {src} -> {dst} ended at {tuple(cur)}")
+    return tuple(steps)
+
+
+def redistribute_cost(src: Placement, dst: Placement, local_bytes: int, group_size: int) -> float:
+    """Bytes a rank receives to move a tensor of ``local_bytes`` from ``src`` to ``dst`` on one mesh dim.
+
+    Local steps cost a token amount (a copy) so that "do nothing" always wins a tie.
+    """
+    if src == dst or group_size == 1:
+        return 0.0
+    n = group_size
+    if isinstance(src, Shard):
+        if isinstance(dst, Shard):
+            return (n - 1) / n * local_bytes
+        return float((n - 1) * local_bytes) + (1e-3 * local_bytes if isinstance(dst, Partial) else 0.0)
+    if isinstance(src, Partial):
+        if isinstance(dst, Shard):
+            return (n - 1) / n * local_bytes
+        return 2 * (n - 1) / n * local_bytes + (1e-3 * local_bytes if isinstance(dst, Partial) else 0.0)
+    return 1e-3 * local_bytes
+
+
+# ----- executor ------------------------------------------------------------------------------------
+def _pad(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+    missing = to - tensor.size(dim)
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+
+
+def _level_size(spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int], dim: int, upto: int) -> int:
+    """Size of tensor ``dim`` on this rank after the cuts of mesh dims before ``upto``."""
+    size = spec.shape[dim]
+    for e in range(upto):
+        p = cur[e]
+        if isinstance(p, Shard) and p.dim == dim:
+            size = shard_sizes(size, spec.mesh.shape[e])[coord[e]]
+    return size
+
+
+def _all_gather(local: torch.Tensor, comm: Any, dim: int, full: int) -> torch.Tensor:
+    sizes = shard_sizes(full, comm.size)
+    stacked = comm.all_gather(_pad(local, dim, sizes[0]))
+    if sizes[-1] == sizes[0]:
+        return stacked.movedim(0, dim).flatten(dim, dim + 1)
+    return torch.cat([stacked[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
+
+
+def _local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tensor:
+    full = local.size(dim)
+    piece = local.narrow(dim, shard_offsets(full, n)[index], shard_sizes(full, n)[index])
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_scatter(local: torch.Tensor, comm: Any, dim: int, reduce_op: str) -> torch.Tensor:
+    full = local.size(dim)
+    sizes, offsets = shard_sizes(full, comm.size), shard_offsets(full, comm.size)
+    blocks = [_pad(local.narrow(dim, o, s), dim, sizes[0]) for o, s in zip(offsets, sizes)]
+    reduced = comm.reduce_scatter(torch.stack(blocks), reduce_op)
+    return reduced.narrow(dim, 0, sizes[comm.local_rank])
+
+
+def _all_to_all(local: torch.Tensor, comm: Any, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+    n, me = comm.size, comm.local_rank
+    src_sizes = shard_sizes(full_src, n)
+    dst_full = local.size(dst_dim)
+    dst_sizes, dst_offsets = shard_sizes(dst_full, n), shard_offsets(dst_full, n)
+    blocks = [
+        _pad(_pad(local.narrow(dst_dim, o, s), dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
+        for o, s in zip(dst_offsets, dst_sizes)
+    ]
+    received = comm.all_to_all(torch.stack(blocks))
+    pieces = [
+        received[s].narrow(src_dim, 0, src_sizes[s]).narrow(dst_dim, 0, dst_sizes[me]) for s in range(n)
+    ]
+    return torch.cat(pieces, src_dim)
+
+
+def _partition(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
+    """Replicate -> Partial: a sum keeps the value on coordinate 0 and zeros elsewhere (exact)."""
+    if reduce_op == "sum" and index != 0:
+        return torch.zeros_like(local)
+    return local.clone()
+
+
+def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]) -> torch.Tensor:
+    """The caller's shard of ``spec``'s tensor laid out as ``dst`` instead (collective on all ranks)."""
+    if spec.placements == dst:
+        return local
+    mesh = spec.mesh
+    coord = mesh._require_coordinate()
+    cur = list(spec.placements)
+    for step in plan_redistribute(spec.placements, dst):
+        d, src_p, dst_p = step.mesh_dim, step.src, step.dst
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s  (%s)", step.describe(), spec)
+        if isinstance(src_p, Shard):
+            comm = mesh.get_communicator(d)
+            full = _level_size(spec, cur, coord, src_p.dim, d)
+            if isinstance(dst_p, Shard):
+                local = _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
+            else:
+                local = _all_gather(local, comm, src_p.dim, full)
+        elif isinstance(src_p, Partial):
+            comm = mesh.get_communicator(d)
+            if isinstance(dst_p, Shard):
+                local = _reduce_scatter(local, comm, dst_p.dim, src_p.reduce_op)
+            else:
+                local = comm.all_reduce(local, src_p.reduce_op)
+        elif isinstance(dst_p, Shard):
+            local = _local_chunk(local, mesh.shape[d], coord[d], dst_p.dim)
+        elif isinstance(dst_p, Partial):
+            local = _partition(local, dst_p.reduce_op, coord[d])
+        cur[d] = dst_p
+    return local
+
+
+def grad_placements_for(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Where a gradient goes back to: the forward's placements, with Partial read as Replicate.
+
+    The gradient of a partial tensor's global value is the same value on every contribution.
+    """
+    return tuple(REPLICATE if isinstance(p, Partial) else p for p in placements)
+
+
+class Redistribute(torch.autograd.Function):
+    """``DTensor.redistribute`` with autograd: the gradient is redistributed back to the input layout."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:  # type: ignore[override]
+        spec = input._spec
+        ctx.src_placements = spec.placements
+        local = redistribute_local(input._local_tensor, spec, placements)
+        return type(input)(local, spec.with_placements(placements), requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+        target = grad_placements_for(ctx.src_placements)
+        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        return type(grad)(local, grad._spec.with_placements(target), requires_grad=False), None

@@ -1,0 +1,146 @@
+"""DTensorSpec and TensorMeta: the frozen description of a global tensor laid out on a mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements, shard_offsets, shard_sizes
+
+__all__ = ["TensorMeta", "DTensorSpec", "local_shape_and_offset", "contiguous_strides", "normalize_placements"]
+
+_DTYPE_SHORT = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Global shape, stride and dtype of a logical tensor."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * self.dtype.itemsize
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True, slots=True)
+class DTensorSpec:
+    """Mesh + one placement per mesh dim + global tensor meta; hashable, so it keys caches."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    tensor_meta: TensorMeta
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.placements, tuple):
+            object.__setattr__(self, "placements", tuple(self.placements))
+        if len(self.placements) != self.mesh.ndim:
+            raise ValueError(
+                f"{len(self.placements)} placements given for a {self.mesh.ndim}-d mesh; "
+                f"give exactly one placement per mesh dim"
+            )
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.tensor_meta)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor_meta.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.tensor_meta.shape)
+
+    def with_placements(self, placements: Sequence[Placement]) -> DTensorSpec:
+        return DTensorSpec(self.mesh, tuple(placements), self.tensor_meta)
+
+    def num_shards(self, tensor_dim: int) -> int:
+        """How many pieces ``tensor_dim`` is cut into across the whole mesh."""
+        count = 1
+        for size, p in zip(self.mesh.shape, self.placements):
+            if isinstance(p, Shard) and p.dim == tensor_dim:
+                count *= size
+        return count
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def __str__(self) -> str:
+        dtype = _DTYPE_SHORT.get(self.tensor_meta.dtype, str(self.tensor_meta.dtype).replace("torch.", ""))
+        shape = ",".join(str(s) for s in self.shape)
+        return f"{dtype}[{shape}] {format_placements(self.placements)} on {self.mesh}"
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    coordinate: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape of the caller's shard and its offset in the global tensor.
+
+    Mesh dims shard in order: a tensor dim sharded by mesh dims 0 and 1 is first cut by mesh dim 0,
+    then each piece again by mesh dim 1 (uneven pieces follow ``shard_sizes``).
+    """
+    if coordinate is None:
+        coordinate = mesh._require_coordinate()
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, i = mesh.shape[mesh_dim], coordinate[mesh_dim]
+            offset[p.dim] += shard_offsets(shape[p.dim], n)[i]
+            shape[p.dim] = shard_sizes(shape[p.dim], n)[i]
+    return tuple(shape), tuple(offset)
+
+
+def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tensor_ndim: int) -> tuple[Placement, ...]:
+    """Check a user's placements against the mesh and tensor; make negative shard dims positive."""
+    if isinstance(placements, Placement):
+        raise TypeError(f"placements must be a sequence, e.g. [{placements}], not a single placement")
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{len(placements)} placements {format_placements(placements)} given for a {mesh.ndim}-d mesh "
+            f"{mesh}; give exactly one placement per mesh dim"
+        )
+    result: list[Placement] = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"{p!r} is not a Placement; use Shard(dim), Replicate() or Partial()")
+        if isinstance(p, Shard):
+            if not -tensor_ndim <= p.dim < tensor_ndim or tensor_ndim == 0:
+                hint = f"use a dim in [{-tensor_ndim}, {tensor_ndim - 1}]" if tensor_ndim else "a 0-d tensor can only be replicated or partial"
+                raise ValueError(f"{p} is out of range for a {tensor_ndim}-d tensor; {hint}")
+            p = Shard(p.dim % tensor_ndim)
+        result.append(p)
+    return tuple(result)
+
+
+REPLICATE = Replicate()
