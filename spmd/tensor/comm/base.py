@@ -29,6 +29,8 @@ class CollectiveRecord:
     tensor_bytes: int
     """Bytes of the full (unsplit) buffer the collective works on, per rank."""
     ranks: tuple[int, ...]
+    rank: int
+    """Global rank that issued it."""
 
     @property
     def moved_bytes(self) -> int:
@@ -79,7 +81,7 @@ class Communicator(ABC):
 
     def _record(self, kind: str, tensor_bytes: int) -> None:
         if _observers:
-            record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks)
+            record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks, self.ranks[self.local_rank])
             for observer in list(_observers):
                 observer(record)
 

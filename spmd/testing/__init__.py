@@ -1,0 +1,13 @@
+"""Test utilities: the threaded world and PyTorch's DTensor test-base surface."""
+
+from spmd.tensor.comm import CollectiveAbortedError, CollectiveTimeoutError, run_threaded
+from spmd.testing.common_dtensor import DTensorTestBase, run_subtests, with_comms
+
+__all__ = [
+    "run_threaded",
+    "DTensorTestBase",
+    "with_comms",
+    "run_subtests",
+    "CollectiveTimeoutError",
+    "CollectiveAbortedError",
+]
