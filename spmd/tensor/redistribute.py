@@ -103,7 +103,7 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
             elif isinstance(dst[d], Shard) and safe_target(d, dst[d]):
                 move(d, dst[d])
     for d in reversed(range(n)):
-        if rebuilt[d] and isinstance(cur[d], Shard):
+        if rebuilt[d] and isinstance(src[d], Shard):  # partial dims reduced above are final
             target = dst[d]
             if isinstance(target, Shard) and target != cur[d] and safe_target(d, target):
                 move(d, target)

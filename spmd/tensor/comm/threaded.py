@@ -51,6 +51,7 @@ class _Round:
     values: list[Any]
     arrived: set[int] = field(default_factory=set)
     left: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class ThreadedWorld(World):
@@ -63,7 +64,7 @@ class ThreadedWorld(World):
             raise ValueError(f"a world needs at least one rank, got world_size={size}")
         self.size = size
         self.timeout = timeout
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
         self._next_seq: dict[tuple[tuple[int, ...], int], int] = {}
         self._communicators: dict[tuple[int, ...], ThreadedCommunicator] = {}
@@ -78,7 +79,7 @@ class ThreadedWorld(World):
     def communicator(self, ranks: tuple[int, ...]) -> ThreadedCommunicator:
         comm = self._communicators.get(ranks)
         if comm is None:
-            with self._cond:
+            with self._lock:
                 comm = self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks))
         return comm
 
@@ -86,56 +87,62 @@ class ThreadedWorld(World):
         for ranks in groups:
             self.communicator(ranks)
 
+    @property
+    def failure(self) -> tuple[int, BaseException] | None:
+        """(rank, error) of the first rank that failed, if any."""
+        return self._failure
+
     def abort(self, rank: int, error: BaseException) -> None:
         """Record the first failure and wake every waiting rank so it raises instead of hanging."""
-        with self._cond:
+        with self._lock:
             if self._failure is None:
                 self._failure = (rank, error)
-            self._cond.notify_all()
+            for rnd in self._rounds.values():
+                rnd.done.set()
 
     def exchange(self, ranks: tuple[int, ...], kind: str, value: Any) -> list[Any]:
         """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's."""
         me = self.current_rank()
         index = ranks.index(me)
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
+        with self._lock:
             seq = self._next_seq.get((ranks, me), 0)
             self._next_seq[(ranks, me)] = seq + 1
             key = (ranks, seq)
             rnd = self._rounds.get(key)
             if rnd is None:
                 rnd = self._rounds[key] = _Round(kind, [None] * len(ranks))
+                if self._failure is not None:
+                    rnd.done.set()
             if rnd.kind != kind:
                 error = RuntimeError(
                     f"collective mismatch on ranks {list(ranks)}: rank {me} called {kind} while another "
                     f"rank called {rnd.kind} as call #{seq}; every rank must issue the same collectives in order"
                 )
                 self._failure = self._failure or (me, error)
-                self._cond.notify_all()
+                for other in self._rounds.values():
+                    other.done.set()
                 raise error
             rnd.values[index] = value
             rnd.arrived.add(me)
-            self._cond.notify_all()
-            while len(rnd.arrived) < len(ranks):
-                if self._failure is not None:
-                    rank, cause = self._failure
-                    raise CollectiveAbortedError(
-                        f"rank {me}: {kind} on ranks {list(ranks)} cancelled because rank {rank} failed: "
-                        f"{type(cause).__name__}: {cause}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(ranks) - rnd.arrived)
-                    raise CollectiveTimeoutError(
-                        f"rank {me}: {kind} on ranks {list(ranks)} timed out after {self.timeout:g}s waiting "
-                        f"for ranks {missing}; check that every rank issues the same collectives"
-                    )
-                self._cond.wait(remaining)
-            values = list(rnd.values)
+            if len(rnd.arrived) == len(ranks):
+                rnd.done.set()
+        if not rnd.done.wait(self.timeout):
+            missing = sorted(set(ranks) - rnd.arrived)
+            raise CollectiveTimeoutError(
+                f"rank {me}: {kind} on ranks {list(ranks)} timed out after {self.timeout:g}s waiting "
+                f"for ranks {missing}; check that every rank issues the same collectives"
+            )
+        if len(rnd.arrived) < len(ranks):
+            failed_rank, cause = self._failure or (-1, RuntimeError("unknown"))
+            raise CollectiveAbortedError(
+                f"rank {me}: {kind} on ranks {list(ranks)} cancelled because rank {failed_rank} failed: "
+                f"{type(cause).__name__}: {cause}"
+            )
+        with self._lock:
             rnd.left += 1
             if rnd.left == len(ranks):
                 del self._rounds[key]
-        return values
+        return list(rnd.values)
 
 
 class ThreadedCommunicator(Communicator):
@@ -204,16 +211,19 @@ def run_threaded(
     ]
     for thread in threads:
         thread.start()
-    # A rank stuck outside a collective cannot be interrupted; give up on it after the timeout.
-    give_up_at = time.monotonic() + timeout * 2 + 5
+    # Wait as long as the ranks make progress. Once one fails, the others get ``timeout`` seconds
+    # to notice; a rank stuck outside any collective cannot be interrupted, so it is abandoned.
+    give_up_at: float | None = None
     for thread in threads:
-        thread.join(max(0.0, give_up_at - time.monotonic()))
-    stuck = [t.name for t in threads if t.is_alive()]
-    if world._failure is not None:
-        rank, error = world._failure
+        while thread.is_alive():
+            thread.join(0.05)
+            if world.failure is not None and give_up_at is None:
+                give_up_at = time.monotonic() + timeout
+            if give_up_at is not None and time.monotonic() > give_up_at:
+                break
+    if world.failure is not None:
+        rank, error = world.failure
         if hasattr(error, "add_note"):
             error.add_note(f"raised on rank {rank} of a threaded world of {world_size}")
         raise error
-    if stuck:
-        raise CollectiveTimeoutError(f"ranks did not finish within {timeout * 2 + 5:g}s: {', '.join(stuck)}")
     return results
