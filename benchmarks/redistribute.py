@@ -49,6 +49,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
@@ -216,6 +217,8 @@ class Measured:
     bytes: int
     collectives: tuple[tuple[str, int, int], ...]
     values_ok: bool = True
+    unsupported: str = ""
+    """Why the library refused the transition (then ``bytes`` is 0 and means nothing)."""
 
 
 def _full(shape: Sequence[int]) -> torch.Tensor:
@@ -317,13 +320,20 @@ def _torch_rank(cases: Sequence[Case]) -> list[Measured]:
         local_shape, _ = compute_local_shape_and_global_offset(case.shape, mesh, src)
         x = tdt.DTensor.from_local(torch.ones(local_shape), mesh, src, shape=torch.Size(case.shape),
                                    stride=_full(case.shape).stride(), run_check=False)
-        with CountCollectives() as mode:
-            if any(p.is_partial() and p != s for p, s in zip(dst, src)):
-                # torch's public redistribute refuses a new Partial; its executor takes it.
-                target = DTensorSpec(mesh, dst, tensor_meta=x._spec.tensor_meta)
-                redistribute_local_tensor(x._local_tensor, x._spec, target)
-            else:
-                x.redistribute(mesh, dst)
+        try:
+            with CountCollectives() as mode:
+                if any(p.is_partial() and p != s for p, s in zip(dst, src)):
+                    # torch's public redistribute refuses a new Partial; its executor takes it.
+                    target = DTensorSpec(mesh, dst, tensor_meta=x._spec.tensor_meta)
+                    redistribute_local_tensor(x._local_tensor, x._spec, target)
+                else:
+                    x.redistribute(mesh, dst)
+        except (RuntimeError, NotImplementedError) as error:
+            # Raised while planning, before any collective, so every rank stays in step.
+            if mode.collectives:
+                raise
+            results.append(Measured(0, (), unsupported=str(error).splitlines()[0]))
+            continue
         collectives = tuple(mode.collectives)
         results.append(Measured(sum(ring_bytes(*c) for c in collectives), collectives))
     return results
@@ -332,7 +342,9 @@ def _torch_rank(cases: Sequence[Case]) -> list[Measured]:
 def _gloo_entry(rank: int, world_size: int, port: int, cases: Sequence[Case], out_path: str) -> None:
     """One gloo rank: torch's side, then ours on the same default group; rank 0 writes both."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # torch's one-time notes (gloo's all_to_all fallback, deprecated c10d names) would bury the table.
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -415,9 +427,13 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
     rows, flagged = [], []
     worst_min: tuple[float, str] = (0.0, "")
     worst_torch: tuple[float, str] = (0.0, "")
+    unsupported: dict[str, str] = {}
     for case, mine, other in zip(cases, ours, theirs):
         ours_b, torch_b, least = max(m.bytes for m in mine), max(m.bytes for m in other), min_bytes(case)
         vs_min, vs_torch = ratio(ours_b, least), ratio(ours_b, torch_b)
+        if other[0].unsupported:
+            unsupported[case.label] = other[0].unsupported
+            vs_torch = None
         name = f"{case.label} mesh {case.mesh_shape} {case.shape}"
         if vs_min is not None and vs_min > worst_min[0]:
             worst_min = (vs_min, name)
@@ -426,9 +442,11 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
         if (vs_min or 0) > 1.0 + 1e-9 or (vs_torch or 0) > 1.0 + 1e-9:
             flagged.append(case)
         rows.append((case.label, "x".join(map(str, case.mesh_shape)), "x".join(map(str, case.shape)),
-                     human_bytes(ours_b), human_bytes(torch_b), human_bytes(least),
-                     format_ratio(vs_min), format_ratio(vs_torch),
-                     comms_summary(mine[0].collectives), comms_summary(other[0].collectives)))
+                     human_bytes(ours_b), "n/a" if other[0].unsupported else human_bytes(torch_b),
+                     human_bytes(least), format_ratio(vs_min),
+                     "n/a" if other[0].unsupported else format_ratio(vs_torch),
+                     comms_summary(mine[0].collectives),
+                     "n/a" if other[0].unsupported else comms_summary(other[0].collectives)))
     widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
     right = {3, 4, 5, 6, 7}
 
@@ -444,6 +462,8 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
     print()
     print(f"worst ours/min:   {format_ratio(worst_min[0])} ({worst_min[1]})")
     print(f"worst ours/torch: {format_ratio(worst_torch[0])} ({worst_torch[1]})")
+    for label, why in unsupported.items():
+        print(f"torch n/a for {label}: {why}")
     bad_values = [c.label + f" {c.shape}" for c, m in zip(cases, ours) if not all(r.values_ok for r in m)]
     print(f"our values: {'all match the source' if not bad_values else 'WRONG for ' + '; '.join(bad_values)}")
     if isinstance(ours_gloo, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import sys
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -42,7 +43,7 @@ class RankFailed(AssertionError):
 
 def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
     # Keep gloo's own connections on loopback, whatever the host name resolves to.
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,97 @@
+"""DeviceMesh over the threaded world: shapes, names, coordinates, sub-meshes, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd.tensor import DeviceMesh, init_device_mesh
+from spmd.testing import DTensorTestBase, run_threaded, with_comms
+
+
+class DeviceMeshTest(DTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @with_comms
+    def test_3d_mesh_shape_and_coordinates(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        self.assertEqual(mesh.shape, (2, 2, 2))
+        self.assertEqual(mesh.ndim, 3)
+        self.assertEqual(mesh.size(), 8)
+        self.assertEqual(mesh.size("tp"), 2)
+        rank = self.rank
+        self.assertEqual(mesh.get_rank(), rank)
+        self.assertEqual(mesh.get_coordinate(), (rank // 4, (rank // 2) % 2, rank % 2))
+        self.assertEqual(mesh.get_local_rank("dp"), (rank // 2) % 2)
+        self.assertEqual(mesh.get_local_rank(2), rank % 2)
+
+    @with_comms
+    def test_sub_meshes_hold_the_callers_row(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        tp, dp = mesh["tp"], mesh["dp"]
+        row, col = divmod(self.rank, 4)
+        self.assertEqual(tp.mesh.tolist(), [row * 4 + c for c in range(4)])
+        self.assertEqual(dp.mesh.tolist(), [col, 4 + col])
+        self.assertEqual(tp.get_local_rank(), col)
+        self.assertEqual(tp.mesh_dim_names, ("tp",))
+        # one communicator per mesh dim, shared by the sub-mesh
+        self.assertIs(tp.get_communicator(0), mesh.get_communicator("tp"))
+        total = tp.get_communicator(0).all_reduce(torch.tensor([1.0]), "sum")
+        self.assertEqual(total.item(), 4.0)
+
+    @with_comms
+    def test_sub_mesh_may_reorder_dims(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        sub = mesh["c", "a"]
+        self.assertEqual(sub.mesh_dim_names, ("c", "a"))
+        b = mesh.get_local_rank("b")
+        expected = torch.arange(8).reshape(2, 2, 2)[:, b, :].t()
+        self.assertEqual(sub.mesh.tolist(), expected.tolist())
+
+    @with_comms
+    def test_meshes_are_values(self) -> None:
+        a = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        b = DeviceMesh("cpu", torch.arange(8).reshape(2, 4), mesh_dim_names=("dp", "tp"))
+        c = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+        self.assertEqual(a, b)
+        self.assertEqual(hash(a), hash(b))
+        self.assertNotEqual(a, c)
+        self.assertEqual(str(a), "mesh(dp=2, tp=4)")
+        self.assertIn("[[0, 1, 2, 3], [4, 5, 6, 7]]", repr(a))
+
+    @with_comms
+    def test_bad_meshes_say_what_to_change(self) -> None:
+        with self.assertRaisesRegex(ValueError, "holds 6 ranks but the world has 8"):
+            init_device_mesh("cpu", (2, 3))
+        with self.assertRaisesRegex(ValueError, "name each of the 2 mesh dims once"):
+            init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp",))
+        with self.assertRaisesRegex(ValueError, "lists each rank once"):
+            DeviceMesh("cpu", [0, 0, 1, 2])
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with self.assertRaisesRegex(KeyError, "no dim named 'pp'"):
+            mesh["pp"]
+        with self.assertRaisesRegex(ValueError, "needs a mesh_dim"):
+            mesh.get_local_rank()
+
+
+def test_a_mesh_over_part_of_the_world() -> None:
+    def coordinates() -> tuple[int, ...] | None:
+        mesh = DeviceMesh("cpu", [0, 2])
+        return mesh.get_coordinate()
+
+    assert run_threaded(coordinates, 4) == [(0,), None, (1,), None]
+
+
+def test_one_dim_mesh_default_local_rank() -> None:
+    assert run_threaded(lambda: init_device_mesh("cpu", (3,)).get_local_rank(), 3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_get_group_returns_a_communicator_per_dim(shape: tuple[int, ...]) -> None:
+    def group_sizes() -> list[int]:
+        mesh = init_device_mesh("cpu", shape)
+        return [mesh.get_communicator(d).size for d in range(mesh.ndim)]
+
+    assert run_threaded(group_sizes, 4)[0] == list(shape)
