@@ -68,6 +68,8 @@ from spmd.testing.layouts import make_dtensor
 
 TIMEOUT_S = 120.0
 """Longest one multi-process torch run may take."""
+PADDING_SLACK = 1.05
+"""``--plans`` shows transitions whose ratio exceeds this (uneven shards pad by a few percent)."""
 
 
 # ----- transitions ---------------------------------------------------------------------------------
@@ -416,8 +418,8 @@ def ratio(num: int, den: int) -> float | None:
     return num / den
 
 
-def format_ratio(value: float | None) -> str:
-    return "-" if value is None else "inf" if math.isinf(value) else f"{value:.2f}"
+def format_ratio(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else "inf" if math.isinf(value) else f"{value:.{digits}f}"
 
 
 def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[Measured]],
@@ -439,7 +441,8 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
             worst_min = (vs_min, name)
         if vs_torch is not None and vs_torch > worst_torch[0]:
             worst_torch = (vs_torch, name)
-        if (vs_min or 0) > 1.0 + 1e-9 or (vs_torch or 0) > 1.0 + 1e-9:
+        # Padding uneven shards to equal blocks costs up to a few percent; flag only real excess.
+        if (vs_min or 0) > PADDING_SLACK or (vs_torch or 0) > PADDING_SLACK:
             flagged.append(case)
         rows.append((case.label, "x".join(map(str, case.mesh_shape)), "x".join(map(str, case.shape)),
                      human_bytes(ours_b), "n/a" if other[0].unsupported else human_bytes(torch_b),
@@ -460,8 +463,8 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
     for row in rows:
         print(line(row))
     print()
-    print(f"worst ours/min:   {format_ratio(worst_min[0])} ({worst_min[1]})")
-    print(f"worst ours/torch: {format_ratio(worst_torch[0])} ({worst_torch[1]})")
+    print(f"worst ours/min:   {format_ratio(worst_min[0], 3)} ({worst_min[1]})")
+    print(f"worst ours/torch: {format_ratio(worst_torch[0], 3)} ({worst_torch[1]})")
     for label, why in unsupported.items():
         print(f"torch n/a for {label}: {why}")
     bad_values = [c.label + f" {c.shape}" for c, m in zip(cases, ours) if not all(r.values_ok for r in m)]
@@ -474,7 +477,7 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
         print("ours on gloo: " + ("differs for " + "; ".join(differ) if differ
                                   else f"same bytes as threaded on all {len(cases)}"))
     if plans and flagged:
-        print("\nour plans where ours moves more than the minimum or than torch:")
+        print(f"\nour plans where ours/min or ours/torch exceeds {PADDING_SLACK}:")
         for case in dict.fromkeys((c.src, c.dst) for c in flagged):
             print(f"  [{','.join(case[0])}] -> [{','.join(case[1])}]")
             for step in plan_redistribute(spmd_placements(case[0]), spmd_placements(case[1])):

@@ -91,7 +91,8 @@ class Dispatcher:
                 key_parts.append(a._spec)
             elif isinstance(a, torch.Tensor):
                 if a.ndim != 0:
-                    raise TypeError(
+                    # Not TypeError: Python would turn that into "unsupported operand" for `x + t`.
+                    raise RuntimeError(
                         f"{op} got a plain torch.Tensor of shape {list(a.shape)} mixed with DTensors; "
                         "convert it with distribute_tensor(t, mesh, placements) or DTensor.from_local first"
                     )
@@ -134,6 +135,9 @@ class Dispatcher:
                 local = redistribute_local(local, dt._spec, want)
             local_leaves[i] = local
         local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
+        if decision.local_args is not None:
+            out_spec = DTensorSpec(mesh, decision.output_placements[0], decision.output_metas[0])
+            local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, out_spec)
         result = op(*local_args, **local_kwargs)
         if decision.inplace:
             return args[0]

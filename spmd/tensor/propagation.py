@@ -35,6 +35,8 @@ class Decision:
     """The candidate chosen on each mesh dim (for debug output)."""
     cost: float
     inplace: bool
+    local_args: Any = None
+    """The op's ``LocalArgs`` hook, if its arguments must be made local on every call."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -109,7 +111,13 @@ class ShardingPropagator:
                 continue
             outputs.append(tuple(_output_placement(c, j, call) for c in chosen))
         return Decision(
-            input_placements, tuple(outputs), call.output_metas, tuple(chosen), total, inplace
+            input_placements,
+            tuple(outputs),
+            call.output_metas,
+            tuple(chosen),
+            total,
+            inplace,
+            self.registry.local_args_for(call.op),
         )
 
 

@@ -13,8 +13,9 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import run_subtests
 
@@ -71,7 +80,9 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=GRACE_S):
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{fn.__name__} on {world_size} gloo processes did not finish in {timeout:g}s")
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} gloo processes did not finish in {timeout:g}s"
+                )
     except ProcessException as error:
         raise RankFailed(_failure_report(context, error)) from None
     finally:
@@ -101,7 +112,9 @@ def _expected_local(full: torch.Tensor, mesh: Any, placements: Sequence[Placemen
     return local
 
 
-def _source(parts: torch.Tensor, mesh: Any, src: Sequence[Placement]) -> tuple[DTensor, torch.Tensor, torch.Tensor]:
+def _source(
+    parts: torch.Tensor, mesh: Any, src: Sequence[Placement]
+) -> tuple[DTensor, torch.Tensor, torch.Tensor]:
     """A DTensor laid out as ``src``, the plain tensor it stands for, and the leaf its gradient lands on.
 
     With sum-Partial mesh dims, the rank at coordinates ``c`` on those dims holds addend ``parts[c]``
@@ -109,7 +122,8 @@ def _source(parts: torch.Tensor, mesh: Any, src: Sequence[Placement]) -> tuple[D
     """
     partial_dims = [d for d, p in enumerate(src) if isinstance(p, Partial)]
     if not partial_dims:
-        x = distribute_tensor(parts[0], mesh, src).requires_grad_()
+        x = distribute_tensor(parts[0], mesh, src)
+        x.requires_grad_()
         return x, parts[0], x
     coordinate = mesh.get_coordinate()
     index = 0

@@ -17,7 +17,7 @@ import torch
 from spmd.tensor.placement import Placement
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
-__all__ = ["OpStrategy", "OpCall", "Rule", "OpRegistry", "REGISTRY", "register_rule"]
+__all__ = ["OpStrategy", "OpCall", "Rule", "LocalArgs", "OpRegistry", "REGISTRY", "register_rule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,9 @@ class OpCall:
 
 
 Rule = Callable[[OpCall], Sequence[OpStrategy]]
+LocalArgs = Callable[[list[Any], dict[str, Any], Any, DTensorSpec], tuple[list[Any], dict[str, Any]]]
+"""Rewrites the local call's arguments (e.g. a view's global sizes to this rank's local sizes):
+``(args, kwargs, decision, output spec) -> (args, kwargs)``; runs on every call, after the decision."""
 
 
 def _overloads(op: Any) -> list[torch._ops.OpOverload]:
@@ -68,16 +71,22 @@ class OpRegistry:
 
     def __init__(self) -> None:
         self._rules: dict[Any, Rule] = {}
+        self._local_args: dict[Any, LocalArgs] = {}
         self.version = 0
         """Bumped on every change so decision caches know to drop their entries."""
 
-    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
-        """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload."""
+    def register(self, *ops: Any, local_args: LocalArgs | None = None) -> Callable[[Rule], Rule]:
+        """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload.
+
+        ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand).
+        """
 
         def decorate(rule: Rule) -> Rule:
             for op in ops:
                 for overload in _overloads(op):
                     self._rules[overload] = rule
+                    if local_args is not None:
+                        self._local_args[overload] = local_args
             self.version += 1
             return rule
 
@@ -85,6 +94,9 @@ class OpRegistry:
 
     def rule_for(self, op: Any) -> Rule | None:
         return self._rules.get(op)
+
+    def local_args_for(self, op: Any) -> LocalArgs | None:
+        return self._local_args.get(op)
 
     def registered_ops(self) -> list[Any]:
         return list(self._rules)

@@ -1,0 +1,196 @@
+"""The dispatch loop on the first op families: results equal plain torch, forward and backward."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.dispatch import DISPATCHER
+from spmd.tensor.ops import REGISTRY, OpStrategy
+from spmd.testing import DTensorTestBase, run_threaded, with_comms
+from spmd.testing.layouts import make_dtensor
+
+aten = torch.ops.aten
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    """The same values on every rank thread (the global generator is shared between them)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def leaf(full: torch.Tensor, mesh, placements) -> DTensor:
+    return distribute_tensor(full, mesh, placements).requires_grad_()
+
+
+class DispatchTest(DTensorTestBase):
+    def check_binary(self, mesh, op, placements_a, placements_b, shape_b=(8, 6)) -> None:
+        gen = torch.Generator().manual_seed(0)
+        a_full = torch.randn(8, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+        b_full = torch.randn(shape_b, generator=gen, dtype=torch.float64, requires_grad=True)
+        a, b = leaf(a_full.detach(), mesh, placements_a), leaf(b_full.detach(), mesh, placements_b)
+        weight = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+        out = op(a, b)
+        torch.testing.assert_close(out.full_tensor(), op(a_full, b_full))
+        (out.full_tensor() * weight).sum().backward()
+        (op(a_full, b_full) * weight).sum().backward()
+        torch.testing.assert_close(a.grad.full_tensor(), a_full.grad)
+        torch.testing.assert_close(b.grad.full_tensor(), b_full.grad)
+
+    @with_comms
+    def test_pointwise_binary_ops_on_every_layout(self) -> None:
+        for mesh_shape in [(4,), (2, 2)]:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            layouts = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=mesh.ndim))
+            self.run_subtests(
+                {"op": [torch.add, torch.mul, torch.sub], "placements_a": layouts, "placements_b": layouts},
+                self.check_binary,
+                mesh,
+            )
+
+    @with_comms
+    def test_broadcasting_operand(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        self.run_subtests(
+            {"placements_a": [[Shard(0)], [Shard(1)], [Replicate()]], "placements_b": [[Replicate()], [Shard(0)]]},
+            self.check_binary,
+            mesh,
+            torch.add,
+            shape_b=(6,),
+        )
+
+    @with_comms
+    def test_relu_and_mm_against_plain_torch(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        gen = torch.Generator().manual_seed(1)
+        x_full = torch.randn(8, 6, generator=gen, requires_grad=True)
+        w_full = torch.randn(6, 4, generator=gen, requires_grad=True)
+        layouts = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2))
+
+        def check(x_layout, w_layout) -> None:
+            x, w = leaf(x_full.detach(), mesh, x_layout), leaf(w_full.detach(), mesh, w_layout)
+            out = torch.relu(x @ w)
+            expected = torch.relu(x_full @ w_full)
+            torch.testing.assert_close(out.full_tensor(), expected)
+            out.full_tensor().sum().backward()
+            x_full.grad = w_full.grad = None
+            expected.sum().backward()
+            torch.testing.assert_close(x.grad.full_tensor(), x_full.grad)
+            torch.testing.assert_close(w.grad.full_tensor(), w_full.grad)
+
+        self.run_subtests({"x_layout": layouts, "w_layout": layouts}, check)
+
+    @with_comms
+    def test_mm_strategies_move_no_data_when_layouts_fit(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x, w = randn(8, 8, seed=1), randn(8, 8, seed=2)
+        cases = [
+            ([Shard(0)], [Replicate()], (Shard(0),)),
+            ([Replicate()], [Shard(1)], (Shard(1),)),
+            ([Shard(1)], [Shard(0)], (Partial(),)),
+        ]
+        for x_layout, w_layout, expected in cases:
+            a, b = distribute_tensor(x, mesh, x_layout), distribute_tensor(w, mesh, w_layout)
+            with CommDebugMode() as comm:
+                out = a @ b
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(out.placements, expected)
+            torch.testing.assert_close(out.full_tensor(), x @ w)
+
+    @with_comms
+    def test_partials_pass_through_linear_ops_and_are_reduced_before_relu(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(8, 4)
+        p, q = make_dtensor(full, mesh, [Partial()]), make_dtensor(2 * full, mesh, [Partial()])
+        with CommDebugMode() as comm:
+            summed, scaled, negated = p + q, p * 3, -p
+        self.assertEqual(comm.get_total_counts(), 0)
+        for result, expected in [(summed, 3 * full), (scaled, 3 * full), (negated, -full)]:
+            self.assertEqual(result.placements, (Partial(),))
+            torch.testing.assert_close(result.full_tensor(), expected)
+        with CommDebugMode() as comm:
+            activated = torch.relu(p)
+        # reduce_scatter is cheaper than all_reduce, so the output comes out sharded
+        self.assertEqual(comm.get_comm_counts(), {"reduce_scatter": 1})
+        torch.testing.assert_close(activated.full_tensor(), torch.relu(full))
+
+    @with_comms
+    def test_partial_plus_scalar_is_reduced_first(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(4, 4)
+        result = make_dtensor(full, mesh, [Partial()]) + 1.0
+        self.assertNotEqual(result.placements, (Partial(),))
+        torch.testing.assert_close(result.full_tensor(), full + 1.0)
+        averaged = make_dtensor(full, mesh, [Partial("avg")]) + 1.0
+        torch.testing.assert_close(averaged.full_tensor(), full + 1.0)
+
+    @with_comms
+    def test_in_place_ops_keep_the_layout(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, other = randn(7, 4, seed=1), randn(7, 4, seed=2)
+        x = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        y = distribute_tensor(other, mesh, [Replicate()])
+        returned = x.add_(y).mul_(2)
+        self.assertIs(returned, x)
+        self.assertEqual(x.placements, (Shard(0),))
+        torch.testing.assert_close(x.full_tensor(), (full + other) * 2)
+
+    @with_comms
+    def test_in_place_op_that_would_change_layout_raises(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = make_dtensor(torch.randn(4, 4), mesh, [Partial()])
+        with self.assertRaisesRegex(NotImplementedError, "in-place aten.relu_.default .*keeps its self placement"):
+            x.relu_()
+
+    @with_comms
+    def test_plain_tensor_operands_are_rejected_with_a_fix(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor .* distribute_tensor"):
+            x + torch.randn(8, 4)
+        torch.testing.assert_close((x * torch.tensor(2.0)).full_tensor(), x.full_tensor() * 2)
+
+    @with_comms
+    def test_repeated_ops_hit_the_cache(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        x + x  # warm up
+        hits = DISPATCHER.hits
+        for _ in range(5):
+            x + x
+        self.assertGreaterEqual(DISPATCHER.hits - hits, 5)
+
+    @with_comms
+    def test_scalar_type_is_part_of_the_cache_key(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.arange(8), mesh, [Shard(0)])
+        self.assertEqual((x + 1).dtype, torch.int64)
+        self.assertEqual((x + 1.0).dtype, torch.float32)
+        torch.testing.assert_close((x + 1.0).full_tensor(), torch.arange(8) + 1.0)
+
+
+# The registry is process-wide, so a rule is swapped around the whole world, not inside one rank.
+def test_op_without_rule_names_op_and_placements() -> None:
+    def exp_of_shard() -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        torch.exp(distribute_tensor(randn(8, 4), mesh, [Shard(0)]))
+
+    with REGISTRY.override(aten.exp.default, None):
+        with pytest.raises(NotImplementedError, match=r"aten.exp.default has no sharding rule \(inputs \(S\(0\)\) \[8, 4\]\)"):
+            run_threaded(exp_of_shard, 4)
+
+
+def test_rules_can_be_swapped_in_a_block() -> None:
+    def exp_placements() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        return torch.exp(distribute_tensor(randn(8, 4), mesh, [Shard(0)])).placements
+
+    def replicate_only(call):
+        return [OpStrategy((Replicate(),), (Replicate(),))]
+
+    with REGISTRY.override(aten.exp.default, replicate_only):
+        assert run_threaded(exp_placements, 4) == [(Replicate(),)] * 4
+    assert run_threaded(exp_placements, 4) == [(Shard(0),)] * 4
