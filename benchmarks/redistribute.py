@@ -41,6 +41,7 @@ whether the bytes agree. torch runs on gloo processes over loopback (world of 4,
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import os
@@ -50,17 +51,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import spmd.tensor
-
-from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, init_device_mesh
+from spmd.tensor import Partial, Placement, Shard, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.redistribute import plan_redistribute
 from spmd.testing import run_threaded
@@ -195,18 +196,20 @@ def min_bytes(case: Case, itemsize: int = 4) -> int:
         target.append(s if isinstance(t, Partial) else t)
     reduced = [d for d, (s, t) in enumerate(zip(src, dst)) if isinstance(s, Partial) and s != t]
     group = math.prod(case.mesh_shape[d] for d in reduced)
-    coords = [tuple(c) for c in torch.cartesian_prod(*(torch.arange(n) for n in case.mesh_shape))
-              .reshape(-1, len(case.mesh_shape)).tolist()]
+    coords = list(itertools.product(*(range(n) for n in case.mesh_shape)))
     worst = 0.0
     for coord in coords:
         held = _region(case.shape, case.mesh_shape, src, coord)
         wanted = _region(case.shape, case.mesh_shape, target, coord)
         total = float((wanted & ~held).sum())
         if reduced:
-            members = [c for c in coords if all(c[d] == coord[d] for d in range(len(coord)) if d not in reduced)]
-            need = sum(_region(case.shape, case.mesh_shape, target, c).int() for c in members)
-            need = torch.where(held, need, torch.zeros_like(need))
-            total += float(((group + need - 2).clamp(min=0) * (need > 0)).sum()) / group
+            # need[e]: how many members of this rank's reduction group want element e of the region.
+            need = torch.zeros(case.shape, dtype=torch.int64)
+            for other in coords:
+                if all(other[d] == coord[d] for d in range(len(coord)) if d not in reduced):
+                    need += _region(case.shape, case.mesh_shape, target, other)
+            need = need * held
+            total += float(((group + need - 2) * (need > 0)).sum()) / group
         worst = max(worst, total)
     return round(worst * itemsize)
 
@@ -273,7 +276,7 @@ def _torch_collective(func: Any, args: Sequence[Any]) -> tuple[str, int, int] | 
         tensors = value if isinstance(value, (list, tuple)) else [value]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def size_of(group_name: str) -> int:
+    def size_of(group_name: Any) -> int:
         return int(dist.distributed_c10d._resolve_process_group(group_name).size())
 
     if name.startswith("all_gather_into_tensor"):
@@ -454,7 +457,7 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
     right = {3, 4, 5, 6, 7}
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     print("bytes received per rank (max over ranks), ring accounting; "
           "ours: threaded world, torch: gloo processes")
@@ -478,9 +481,9 @@ def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[
                                   else f"same bytes as threaded on all {len(cases)}"))
     if plans and flagged:
         print(f"\nour plans where ours/min or ours/torch exceeds {PADDING_SLACK}:")
-        for case in dict.fromkeys((c.src, c.dst) for c in flagged):
-            print(f"  [{','.join(case[0])}] -> [{','.join(case[1])}]")
-            for step in plan_redistribute(spmd_placements(case[0]), spmd_placements(case[1])):
+        for src, dst in dict.fromkeys((c.src, c.dst) for c in flagged):
+            print(f"  [{','.join(src)}] -> [{','.join(dst)}]")
+            for step in plan_redistribute(spmd_placements(src), spmd_placements(dst)):
                 print(f"    {step}")
 
 

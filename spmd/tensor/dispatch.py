@@ -104,7 +104,7 @@ class Dispatcher:
         if REGISTRY.version != self._registry_version:
             self._cache.clear()
             self._registry_version = REGISTRY.version
-        key = tuple(key_parts)
+        key: tuple[Any, ...] | None = tuple(key_parts)
         try:
             decision = self._cache.get(key)
         except TypeError:  # an unhashable argument: decide every time
@@ -136,7 +136,9 @@ class Dispatcher:
             local_leaves[i] = local
         local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
         if decision.local_args is not None:
-            out_spec = DTensorSpec(mesh, decision.output_placements[0], decision.output_metas[0])
+            placements, meta = decision.output_placements[0], decision.output_metas[0]
+            assert placements is not None and meta is not None  # ops with a local_args hook return a tensor
+            out_spec = DTensorSpec(mesh, placements, meta)
             local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, out_spec)
         result = op(*local_args, **local_kwargs)
         if decision.inplace:

@@ -7,7 +7,8 @@ Each rank holds its local shard (``to_local()``) and a frozen ``DTensorSpec``. A
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ class DTensor(torch.Tensor):
     __slots__ = ["_local_tensor", "_spec"]
 
     # Run Python-level torch functions as plain tensor code; only aten ops reach the dispatcher.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
@@ -53,11 +54,11 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"DTensor(local_tensor={self._local_tensor}, spec={self._spec})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         from spmd.tensor.dispatch import dispatch
 
         return dispatch(func, args, kwargs or {})
@@ -93,7 +94,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         placements = normalize_placements(placements, device_mesh, local_tensor.ndim)
-        return _FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)
+        return _FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)  # type: ignore[no-untyped-call]
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (autograd flows back into the DTensor).
@@ -103,7 +104,7 @@ class DTensor(torch.Tensor):
         """
         if not torch.is_grad_enabled():
             return self._local_tensor
-        return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))
+        return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))  # type: ignore[no-untyped-call]
 
     def redistribute(
         self,
@@ -123,7 +124,7 @@ class DTensor(torch.Tensor):
         target = normalize_placements(placements, self._spec.mesh, self.ndim)
         if target == self._spec.placements:
             return self
-        return Redistribute.apply(self, target)
+        return Redistribute.apply(self, target)  # type: ignore[no-untyped-call]
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor."""
@@ -188,7 +189,7 @@ def _check_and_gather_shape(
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         local: torch.Tensor,
         mesh: DeviceMesh,
@@ -214,7 +215,7 @@ class _FromLocal(torch.autograd.Function):
         return DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:
         spec: DTensorSpec = ctx.spec
         target = grad_placements_for(spec.placements)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
@@ -232,13 +233,13 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input: DTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, input: DTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
         ctx.spec = input._spec
         ctx.grad_placements = grad_placements
         return input._local_tensor.view_as(input._local_tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
         grad_spec = DTensorSpec(

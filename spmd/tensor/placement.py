@@ -7,8 +7,9 @@ the redistribute executor. The uneven-shard arithmetic (``shard_sizes``) follows
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets"]
 

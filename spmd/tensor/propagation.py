@@ -7,8 +7,9 @@ the cheapest; ties go to the rule's earlier candidate, so the choice is determin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -77,9 +78,8 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
     involved = [_shard_dims(src[d]) | _shard_dims(dst[d]) for d in range(n)]
     rebuilt = [False] * n
     for d in range(n):
-        rebuilt[d] = src[d] != dst[d] or (
-            isinstance(src[d], Shard) and any(rebuilt[e] and src[d].dim in involved[e] for e in range(d))
-        )
+        kept = _shard_dims(src[d])
+        rebuilt[d] = src[d] != dst[d] or any(rebuilt[e] and kept & involved[e] for e in range(d))
     steps: list[TransformStep] = []
 
     def move(d: int, to: Placement) -> None:
@@ -87,7 +87,7 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
         cur[d] = to
 
     def free_after(d: int, dims: set[int]) -> bool:
-        return not any(isinstance(cur[e], Shard) and cur[e].dim in dims for e in range(d + 1, n))
+        return not any(_shard_dims(cur[e]) & dims for e in range(d + 1, n))
 
     def safe_target(d: int, target: Placement) -> bool:
         """Sharding ``target`` at d now must not block an earlier mesh dim that is still to change."""
@@ -97,11 +97,9 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
         )
 
     for d in reversed(range(n)):
-        if rebuilt[d] and isinstance(cur[d], Partial):
-            if isinstance(dst[d], Replicate):
-                move(d, dst[d])
-            elif isinstance(dst[d], Shard) and safe_target(d, dst[d]):
-                move(d, dst[d])
+        reducible = isinstance(dst[d], Replicate) or (isinstance(dst[d], Shard) and safe_target(d, dst[d]))
+        if rebuilt[d] and isinstance(cur[d], Partial) and reducible:
+            move(d, dst[d])
     for d in reversed(range(n)):
         if rebuilt[d] and isinstance(src[d], Shard):  # partial dims reduced above are final
             target = dst[d]
@@ -248,14 +246,14 @@ class Redistribute(torch.autograd.Function):
     """``DTensor.redistribute`` with autograd: the gradient is redistributed back to the input layout."""
 
     @staticmethod
-    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:
         spec = input._spec
         ctx.src_placements = spec.placements
         local = redistribute_local(input._local_tensor, spec, placements)
         return type(input)(local, spec.with_placements(placements), requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         target = grad_placements_for(ctx.src_placements)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
         return type(grad)(local, grad._spec.with_placements(target), requires_grad=False), None

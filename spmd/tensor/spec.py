@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -57,8 +57,8 @@ class DTensorSpec:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.placements, tuple):
-            object.__setattr__(self, "placements", tuple(self.placements))
+        # Callers may pass a list; the frozen value always holds a tuple.
+        object.__setattr__(self, "placements", tuple(self.placements))
         if len(self.placements) != self.mesh.ndim:
             raise ValueError(
                 f"{len(self.placements)} placements given for a {self.mesh.ndim}-d mesh; "

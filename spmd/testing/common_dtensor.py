@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import itertools
 import unittest
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 

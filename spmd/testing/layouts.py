@@ -9,7 +9,7 @@ cancels (sum, avg) or that loses to the true value (max, min).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ def placement_options(ndim: int, *, partials: Sequence[str] = Partial.REDUCE_OPS
 
 def placement_combinations(mesh_ndim: int, tensor_ndim: int, **kwargs: Sequence[str]) -> Iterator[tuple[Placement, ...]]:
     """Every tuple of placements for a mesh of ``mesh_ndim`` dims."""
-    return itertools.product(placement_options(tensor_ndim, **kwargs), repeat=mesh_ndim)  # type: ignore[arg-type]
+    return itertools.product(placement_options(tensor_ndim, **kwargs), repeat=mesh_ndim)
 
 
 def _noise(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

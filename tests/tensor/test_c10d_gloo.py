@@ -53,6 +53,7 @@ class RankFailed(AssertionError):
 def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
     # Keep gloo's own connections on loopback, whatever the host name resolves to.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    torch.set_num_threads(1)  # tiny tensors; several ranks share the machine's cores
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

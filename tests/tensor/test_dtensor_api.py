@@ -7,8 +7,8 @@ from torch import nn
 
 import spmd.tensor as st
 from spmd.tensor import (
-    DTensor,
     DeviceMesh,
+    DTensor,
     Partial,
     Replicate,
     Shard,

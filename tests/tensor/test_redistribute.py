@@ -63,7 +63,7 @@ class RedistributeTest(DTensorTestBase):
     @with_comms
     def test_every_transition_1d(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        for shape, dtype in itertools.product(SHAPES + [(3, 2)], DTYPES):
+        for shape, dtype in itertools.product([*SHAPES, (3, 2)], DTYPES):
             combos = layouts(1, dtype)
             check_values(mesh, itertools.product(combos, combos), shape, dtype)
 

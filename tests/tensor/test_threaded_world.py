@@ -78,7 +78,7 @@ def test_mismatched_collectives_are_named() -> None:
             time.sleep(0.05)
             comm.all_reduce(torch.ones(2), "sum")
 
-    with pytest.raises(RuntimeError, match="collective mismatch.*all_reduce.*all_gather"):
+    with pytest.raises(RuntimeError, match=r"collective mismatch.*all_reduce.*all_gather"):
         run_threaded(mismatched, 2, timeout=5)
 
 
@@ -95,5 +95,5 @@ def test_collectives_do_not_alias_between_ranks() -> None:
 
 
 def test_outside_a_world_the_error_says_how_to_start_one() -> None:
-    with pytest.raises(RuntimeError, match="torchrun.*run_threaded"):
+    with pytest.raises(RuntimeError, match=r"torchrun.*run_threaded"):
         init_device_mesh("cpu", (2,))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class Communicator(ABC):
     def _record(self, kind: str, tensor_bytes: int) -> None:
         if _observers:
             record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks, self.ranks[self.local_rank])
-            for observer in list(_observers):
+            for observer in _observers:
                 observer(record)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,10 @@ from spmd.tensor.comm.base import Communicator, World
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
+# torch 2.13 renamed the tensor collectives; older releases only have the first names.
+_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -50,7 +54,7 @@ class C10dCommunicator(Communicator):
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.new_empty((self.size, *tensor.shape))
-        dist.all_gather_into_tensor(out, tensor, group=self.group)
+        _all_gather_tensor(out, tensor, group=self.group)
         return out
 
     def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -67,7 +71,7 @@ class C10dCommunicator(Communicator):
             dist.all_reduce(reduced, op=op, group=self.group)
             return self._finish_avg(reduced[self.local_rank].clone(), divide)
         out = stacked.new_empty(stacked.shape[1:])
-        dist.reduce_scatter_tensor(out, stacked, op=op, group=self.group)
+        _reduce_scatter_tensor(out, stacked, op=op, group=self.group)
         return self._finish_avg(out, divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -200,7 +201,7 @@ def run_threaded(
         _current.world, _current.rank = world, rank
         try:
             results[rank] = fn(*args, **kwargs)
-        except BaseException as error:  # noqa: BLE001 - every failure must release the other ranks
+        except BaseException as error:
             world.abort(rank, error)
         finally:
             _current.world = _current.rank = None

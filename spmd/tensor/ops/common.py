@@ -80,15 +80,13 @@ def pointwise_candidates(call: OpCall, *, linearity: str = "none", output_index:
                 continue
             candidates.append(OpStrategy((p,) * n, (p,)))
     elif linearity == "multiplicative":
-        for p in LINEAR_PARTIALS:
-            candidates.append(OpStrategy((p,) + (R,) * (n - 1), (p,)))
+        candidates.extend(OpStrategy((p,) + (R,) * (n - 1), (p,)) for p in LINEAR_PARTIALS)
     elif linearity == "unary" and n == 1:
-        for p in LINEAR_PARTIALS:
-            candidates.append(OpStrategy((p,), (p,)))
+        candidates.extend(OpStrategy((p,), (p,)) for p in LINEAR_PARTIALS)
     return candidates
 
 
 def _count_tensor_operands(call: OpCall) -> int:
     """Operands of a binary op, counting Python scalars and plain 0-d tensors as operands too."""
-    operands = [a for a in call.args[:2]]
+    operands = list(call.args[:2])
     return sum(1 for a in operands if a is not None and not isinstance(a, (bool, str)))

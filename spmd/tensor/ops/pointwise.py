@@ -10,7 +10,7 @@ Algebra (per mesh dim, broadcasting aligned from the right):
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from spmd.tensor.placement import Partial, Placement, Shard
 aten = torch.ops.aten
 
 
-def reduced_dims(call: OpCall, dims_arg: object, ndim: int) -> list[int]:
+def reduced_dims(call: OpCall, dims_arg: Any, ndim: int) -> list[int]:
     """The dims a reduction removes: all of them when ``dims_arg`` is None or empty."""
     if dims_arg is None or (isinstance(dims_arg, (list, tuple)) and len(dims_arg) == 0):
         return list(range(ndim))

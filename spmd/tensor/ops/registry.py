@@ -9,8 +9,9 @@ The propagator expands candidates to n-d meshes and picks the cheapest. Rules ne
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ LocalArgs = Callable[[list[Any], dict[str, Any], Any, DTensorSpec], tuple[list[A
 
 def _overloads(op: Any) -> list[torch._ops.OpOverload]:
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return [getattr(op, name) for name in op.overloads()]
+        return [getattr(op, name) for name in op.overloads()]  # type: ignore[no-untyped-call]
     return [op]
 
 

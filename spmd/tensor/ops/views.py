@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,17 +22,17 @@ aten = torch.ops.aten
 
 def surviving_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
     """Input dims that appear unchanged in the output: ``{input dim: output dim}``."""
-    out_prefix = {}
+    out_prefix: dict[tuple[int, int], int] = {}
     running = 1
     for o, size in enumerate(out_shape):
         out_prefix.setdefault((running, size), o)
         running *= size
-    mapping = {}
+    mapping: dict[int, int] = {}
     running = 1
     for d, size in enumerate(in_shape):
-        o = out_prefix.get((running, size))
-        if o is not None and size != 1:
-            mapping[d] = o
+        out_dim = out_prefix.get((running, size))
+        if out_dim is not None and size != 1:
+            mapping[d] = out_dim
         running *= size
     return mapping
 
