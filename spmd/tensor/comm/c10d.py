@@ -53,9 +53,10 @@ class C10dCommunicator(Communicator):
         return torch.div(tensor, self.size, rounding_mode="floor")
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.new_empty((self.size, *tensor.shape))
-        _all_gather_tensor(out, tensor, group=self.group)
-        return out
+        # gloo checks each output chunk against the input's shape, so gather flat and view.
+        out = tensor.new_empty((self.size * tensor.numel(),))
+        _all_gather_tensor(out, tensor.reshape(-1), group=self.group)
+        return out.view(self.size, *tensor.shape)
 
     def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         op, divide = _reduce_op(reduce_op, self.backend)
@@ -70,9 +71,10 @@ class C10dCommunicator(Communicator):
             reduced = stacked.clone()
             dist.all_reduce(reduced, op=op, group=self.group)
             return self._finish_avg(reduced[self.local_rank].clone(), divide)
-        out = stacked.new_empty(stacked.shape[1:])
-        _reduce_scatter_tensor(out, stacked, op=op, group=self.group)
-        return self._finish_avg(out, divide)
+        block = stacked.shape[1:]
+        out = stacked.new_empty((stacked[0].numel(),))
+        _reduce_scatter_tensor(out, stacked.reshape(-1), op=op, group=self.group)
+        return self._finish_avg(out.view(block), divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(stacked)
