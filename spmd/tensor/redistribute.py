@@ -45,6 +45,8 @@ class TransformStep:
     def collective(self) -> str:
         src, dst = self.src, self.dst
         if isinstance(src, Shard):
+            if isinstance(dst, Partial):
+                return "local"
             return "all_to_all" if isinstance(dst, Shard) else "all_gather"
         if isinstance(src, Partial):
             return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
@@ -56,7 +58,9 @@ class TransformStep:
             "all_to_all": f"all_to_all({self.src} -> {self.dst})",
             "all_reduce": f"all_reduce({getattr(self.src, 'reduce_op', '')})",
             "reduce_scatter": f"reduce_scatter({getattr(self.src, 'reduce_op', '')}, dim={getattr(self.dst, 'dim', '')})",
-            "local": "local chunk" if isinstance(self.dst, Shard) else "local",
+            "local": {Shard: "local chunk", Partial: "local pad" if isinstance(self.src, Shard) else "local"}.get(
+                type(self.dst), "local"
+            ),
         }[self.collective]
         return f"mesh dim {self.mesh_dim}: {self.src} -> {self.dst}  {detail}"
 
@@ -103,7 +107,11 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
     for d in reversed(range(n)):
         if rebuilt[d] and isinstance(src[d], Shard):  # partial dims reduced above are final
             target = dst[d]
-            if isinstance(target, Shard) and target != cur[d] and safe_target(d, target):
+            # S -> P pads locally with the reduction's identity; with another partial dim (now or in
+            # the target) that identity would be reduced too (and overflow, for integers): gather.
+            partial_dims = sum(isinstance(p, Partial) for p in (*cur, *dst))
+            lone_partial = isinstance(target, Partial) and partial_dims == 1
+            if lone_partial or (isinstance(target, Shard) and target != cur[d] and safe_target(d, target)):
                 move(d, target)
             else:
                 move(d, REPLICATE)
@@ -195,6 +203,22 @@ def _all_to_all(local: torch.Tensor, comm: Any, src_dim: int, dst_dim: int, full
     return torch.cat(pieces, src_dim)
 
 
+def _pad_into_partial(local: torch.Tensor, n: int, index: int, dim: int, full: int, reduce_op: str) -> torch.Tensor:
+    """Shard -> Partial without traffic: the shard at its offset, the reduction's identity elsewhere."""
+    shape = list(local.shape)
+    shape[dim] = full
+    if reduce_op in ("sum", "avg"):
+        out = local.new_zeros(shape)
+    else:
+        floating = local.is_floating_point()
+        info = torch.finfo(local.dtype) if floating else torch.iinfo(local.dtype)
+        identity = (-torch.inf if floating else info.min) if reduce_op == "max" else (torch.inf if floating else info.max)
+        out = local.new_full(shape, identity)
+    scale = n if reduce_op == "avg" else 1
+    out.narrow(dim, shard_offsets(full, n)[index], local.size(dim)).copy_(local * scale if scale != 1 else local)
+    return out
+
+
 def _partition(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
     """Replicate -> Partial: a sum keeps the value on coordinate 0 and zeros elsewhere (exact)."""
     if reduce_op == "sum" and index != 0:
@@ -218,6 +242,8 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
             full = _level_size(spec, cur, coord, src_p.dim, d)
             if isinstance(dst_p, Shard):
                 local = _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
+            elif isinstance(dst_p, Partial):
+                local = _pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
             else:
                 local = _all_gather(local, comm, src_p.dim, full)
         elif isinstance(src_p, Partial):

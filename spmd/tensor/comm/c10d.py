@@ -40,6 +40,7 @@ class C10dCommunicator(Communicator):
         self.group = group
         self.backend = dist.get_backend(group)
         self._local_rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
+        self._native_reduce_scatter = True
 
     @property
     def local_rank(self) -> int:
@@ -66,14 +67,21 @@ class C10dCommunicator(Communicator):
 
     def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         op, divide = _reduce_op(reduce_op, self.backend)
-        if self.backend == "gloo":
-            # gloo has no reduce_scatter; an all_reduce then a local slice gives the same values.
+        if not self._native_reduce_scatter:
+            # Older gloo has no reduce_scatter; an all_reduce then a local slice gives the same values.
             reduced = stacked.clone()
             dist.all_reduce(reduced, op=op, group=self.group)
             return self._finish_avg(reduced[self.local_rank].clone(), divide)
         block = stacked.shape[1:]
         out = stacked.new_empty((stacked[0].numel(),))
-        _reduce_scatter_tensor(out, stacked.reshape(-1), op=op, group=self.group)
+        try:
+            _reduce_scatter_tensor(out, stacked.reshape(-1), op=op, group=self.group)
+        except RuntimeError as error:
+            # The backend refuses before sending anything, on every rank alike, so falling back is safe.
+            if "support" not in str(error).lower():
+                raise
+            self._native_reduce_scatter = False
+            return self._reduce_scatter(stacked, reduce_op)
         return self._finish_avg(out.view(block), divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
