@@ -6,19 +6,19 @@ plus the local kernel; nothing is formatted for logging unless the debug logger 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
+from spmd.tensor.debug.state import STATE, op_scope
+from spmd.tensor.debug.verbose import log_line
 from spmd.tensor.ops.registry import REGISTRY, OpCall
+from spmd.tensor.placement import format_placements
 from spmd.tensor.propagation import Decision, ShardingPropagator
 from spmd.tensor.redistribute import redistribute_local
-from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER"]
-
-logger = logging.getLogger("spmd.tensor.dispatch")
 
 _SCALAR_TENSOR = "scalar-tensor"
 
@@ -87,6 +87,11 @@ class Dispatcher:
         dtensor_positions: list[int] = []
         for i, a in enumerate(leaves):
             if isinstance(a, DTensor):
+                if dtensor_positions and a._spec.mesh != leaves[dtensor_positions[0]]._spec.mesh:
+                    raise ValueError(
+                        f"{op} got DTensors on different meshes ({leaves[dtensor_positions[0]]._spec.mesh} and "
+                        f"{a._spec.mesh}); redistribute or create them on one DeviceMesh"
+                    )
                 dtensor_positions.append(i)
                 key_parts.append(a._spec)
             elif isinstance(a, torch.Tensor):
@@ -117,23 +122,15 @@ class Dispatcher:
                 self._cache[key] = decision
         else:
             self.hits += 1
-        if logger.isEnabledFor(logging.INFO):
-            _log_decision(op, [leaves[i]._spec for i in dtensor_positions], decision, hit)
-
-        local_leaves = list(leaves)
-        mesh = leaves[dtensor_positions[0]]._spec.mesh
-        for n, i in enumerate(dtensor_positions):
-            dt = leaves[i]
-            if dt._spec.mesh != mesh:
-                raise ValueError(
-                    f"{op} got DTensors on different meshes ({mesh} and {dt._spec.mesh}); "
-                    "redistribute or create them on one DeviceMesh"
-                )
-            want = decision.input_placements[n]
-            local = dt._local_tensor
-            if want != dt._spec.placements:
-                local = redistribute_local(local, dt._spec, want)
-            local_leaves[i] = local
+        specs = [leaves[i]._spec for i in dtensor_positions]
+        if STATE.listening:
+            with op_scope(str(op)):
+                if STATE.verbose:
+                    _log_decision(op, specs, decision, hit)
+                local_leaves = self._localize(leaves, dtensor_positions, decision, verbose=STATE.verbose)
+        else:
+            local_leaves = self._localize(leaves, dtensor_positions, decision, verbose=False)
+        mesh = specs[0].mesh
         local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
         if decision.local_args is not None:
             placements, meta = decision.output_placements[0], decision.output_metas[0]
@@ -145,9 +142,29 @@ class Dispatcher:
             return args[0]
         return _wrap(result, decision, mesh)
 
+    @staticmethod
+    def _localize(leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool) -> list[Any]:
+        """Leaves with every DTensor replaced by its local shard in the placements the op needs."""
+        local_leaves = list(leaves)
+        for n, i in enumerate(positions):
+            dt = leaves[i]
+            want = decision.input_placements[n]
+            local = dt._local_tensor
+            if want != dt._spec.placements:
+                if verbose:
+                    log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
+                local = redistribute_local(local, dt._spec, want)
+            local_leaves[i] = local
+        return local_leaves
+
     def _decide(
         self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
     ) -> Decision:
+        return self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+
+    def _make_call(
+        self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
+    ) -> OpCall:
         meta_leaves = list(leaves)
         spec_leaves = list(leaves)
         for i in positions:
@@ -166,10 +183,17 @@ class Dispatcher:
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
         output_metas = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outputs)
         spec_args, spec_kwargs = _unflatten(spec_leaves, shape, kwarg_names)
-        call = OpCall(
-            op, tuple(spec_args), spec_kwargs, tuple(leaves[i]._spec for i in positions), output_metas
-        )
-        return self.propagator.decide(call)
+        return OpCall(op, tuple(spec_args), spec_kwargs, tuple(leaves[i]._spec for i in positions), output_metas)
+
+    def make_call(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
+        """What the rule for ``op`` sees of this call (used by ``explain``)."""
+        from spmd.tensor.dtensor import DTensor
+
+        leaves, shape = _flatten(args, kwargs)
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, DTensor)]
+        if not positions:
+            raise ValueError(f"{op} was given no DTensor argument")
+        return self._make_call(op, leaves, shape, list(kwargs), positions)
 
 
 def _wrap(result: Any, decision: Decision, mesh: Any) -> Any:
@@ -188,11 +212,19 @@ def _wrap(result: Any, decision: Decision, mesh: Any) -> Any:
 
 
 def _log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:
-    from spmd.tensor.placement import format_placements
-
-    inputs = ", ".join(format_placements(s.placements) for s in specs)
+    inputs = ", ".join(f"{format_placements(s.placements)} {_short(s.tensor_meta)}" for s in specs)
+    outputs = ", ".join(
+        f"{format_placements(p)} {_short(m)}"
+        for p, m in zip(decision.output_placements, decision.output_metas)
+        if p is not None and m is not None
+    )
     chosen = " | ".join(str(s) for s in decision.strategies)
-    logger.info("%-32s %-24s -> %-28s [%s]", op, inputs, chosen, "HIT" if hit else "MISS")
+    log_line("%-30s %s  ->  %s   via %s   [%s]", op, inputs, outputs or "-", chosen, "HIT" if hit else "MISS")
+
+
+def _short(meta: TensorMeta) -> str:
+    dtype = DTENSOR_DTYPE_SHORT.get(meta.dtype, str(meta.dtype).replace("torch.", ""))
+    return dtype + "[" + ",".join(str(s) for s in meta.shape) + "]"
 
 
 DISPATCHER = Dispatcher()

@@ -60,7 +60,8 @@ class ShardingPropagator:
     def __init__(self, registry: OpRegistry = REGISTRY) -> None:
         self.registry = registry
 
-    def decide(self, call: OpCall) -> Decision:
+    def candidates(self, call: OpCall) -> list[OpStrategy]:
+        """The rule's candidates for ``call`` (raises ``ShardingError`` when the op has no rule)."""
         rule = self.registry.rule_for(call.op)
         if rule is None:
             raise ShardingError(
@@ -69,29 +70,40 @@ class ShardingPropagator:
                 f"or register a rule in spmd/tensor/ops/"
             )
         candidates = list(rule(call))
-        inplace = is_inplace(call.op)
+        for candidate in candidates:
+            if len(candidate.inputs) != len(call.input_specs):
+                raise AssertionError(
+                    f"rule for {call.op} gave {len(candidate.inputs)} inputs for {len(call.input_specs)}"
+                )
+        return candidates
+
+    def score(self, call: OpCall, candidates: list[OpStrategy], mesh_dim: int) -> list[tuple[OpStrategy, float | None]]:
+        """Each candidate's cost on ``mesh_dim`` (bytes to move the inputs), None where not allowed."""
         specs = call.input_specs
         mesh = specs[0].mesh
-        local_bytes = [_local_bytes(s) for s in specs]
+        inplace = is_inplace(call.op)
+        scored: list[tuple[OpStrategy, float | None]] = []
+        for candidate in candidates:
+            current = specs[0].placements[mesh_dim]
+            if inplace and (candidate.inputs[0] != current or candidate.outputs[0] != current):
+                scored.append((candidate, None))
+                continue
+            cost = sum(
+                redistribute_cost(s.placements[mesh_dim], want, _local_bytes(s), mesh.shape[mesh_dim])
+                for s, want in zip(specs, candidate.inputs)
+            )
+            scored.append((candidate, cost))
+        return scored
+
+    def decide(self, call: OpCall) -> Decision:
+        candidates = self.candidates(call)
+        inplace = is_inplace(call.op)
+        specs = call.input_specs
         chosen: list[OpStrategy] = []
         total = 0.0
-        for d in range(mesh.ndim):
-            best: OpStrategy | None = None
-            best_cost = float("inf")
-            for candidate in candidates:
-                if len(candidate.inputs) != len(specs):
-                    raise AssertionError(f"rule for {call.op} gave {len(candidate.inputs)} inputs for {len(specs)}")
-                if inplace and (
-                    candidate.inputs[0] != specs[0].placements[d] or candidate.outputs[0] != specs[0].placements[d]
-                ):
-                    continue
-                cost = sum(
-                    redistribute_cost(s.placements[d], want, nbytes, mesh.shape[d])
-                    for s, want, nbytes in zip(specs, candidate.inputs, local_bytes)
-                )
-                if cost < best_cost:
-                    best, best_cost = candidate, cost
-            if best is None:
+        for d in range(specs[0].mesh.ndim):
+            allowed = [(c, cost) for c, cost in self.score(call, candidates, d) if cost is not None]
+            if not allowed:
                 what = "in-place " if inplace else ""
                 raise ShardingError(
                     f"{what}{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
@@ -102,8 +114,10 @@ class ShardingPropagator:
                         else "redistribute the inputs to a layout the op supports"
                     )
                 )
+            # min() keeps the first of equal costs: the rule's order breaks ties.
+            best, best_cost = min(allowed, key=lambda item: item[1] or 0.0)
             chosen.append(best)
-            total += best_cost
+            total += best_cost or 0.0
         input_placements = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
         outputs: list[tuple[Placement, ...] | None] = []
         for j, meta in enumerate(call.output_metas):

@@ -17,19 +17,33 @@ Every collective is issued here, through the mesh's communicators.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_offsets, shard_sizes
+from spmd.tensor.debug.state import STATE, op_scope
+from spmd.tensor.debug.verbose import capture_collectives, human_bytes, log_line
+from spmd.tensor.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    format_placements,
+    shard_offsets,
+    shard_sizes,
+)
 from spmd.tensor.spec import DTensorSpec
 
-__all__ = ["TransformStep", "plan_redistribute", "redistribute_local", "redistribute_cost", "Redistribute"]
-
-logger = logging.getLogger("spmd.tensor.redistribute")
+__all__ = [
+    "TransformStep",
+    "plan_redistribute",
+    "redistribute_local",
+    "redistribute_traced",
+    "redistribute_cost",
+    "Redistribute",
+]
 REPLICATE = Replicate()
 
 
@@ -230,34 +244,54 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
     """The caller's shard of ``spec``'s tensor laid out as ``dst`` instead (collective on all ranks)."""
     if spec.placements == dst:
         return local
-    mesh = spec.mesh
-    coord = mesh._require_coordinate()
+    coord = spec.mesh._require_coordinate()
     cur = list(spec.placements)
     for step in plan_redistribute(spec.placements, dst):
-        d, src_p, dst_p = step.mesh_dim, step.src, step.dst
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s  (%s)", step.describe(), spec)
-        if isinstance(src_p, Shard):
-            comm = mesh.get_communicator(d)
-            full = _level_size(spec, cur, coord, src_p.dim, d)
-            if isinstance(dst_p, Shard):
-                local = _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
-            elif isinstance(dst_p, Partial):
-                local = _pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
-            else:
-                local = _all_gather(local, comm, src_p.dim, full)
-        elif isinstance(src_p, Partial):
-            comm = mesh.get_communicator(d)
-            if isinstance(dst_p, Shard):
-                local = _reduce_scatter(local, comm, dst_p.dim, src_p.reduce_op)
-            else:
-                local = comm.all_reduce(local, src_p.reduce_op)
-        elif isinstance(dst_p, Shard):
-            local = _local_chunk(local, mesh.shape[d], coord[d], dst_p.dim)
-        elif isinstance(dst_p, Partial):
-            local = _partition(local, dst_p.reduce_op, coord[d])
-        cur[d] = dst_p
+        if STATE.verbose:
+            with capture_collectives() as records:
+                local = _run_step(local, step, spec, cur, coord)
+            moved = sum(r.moved_bytes for r in records)
+            log_line("    %-52s %s", step.describe(), human_bytes(moved) if records else "")
+        else:
+            local = _run_step(local, step, spec, cur, coord)
+        cur[step.mesh_dim] = step.dst
     return local
+
+
+def _run_step(
+    local: torch.Tensor, step: TransformStep, spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int]
+) -> torch.Tensor:
+    mesh, d, src_p, dst_p = spec.mesh, step.mesh_dim, step.src, step.dst
+    if isinstance(src_p, Shard):
+        comm = mesh.get_communicator(d)
+        full = _level_size(spec, cur, coord, src_p.dim, d)
+        if isinstance(dst_p, Shard):
+            return _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
+        if isinstance(dst_p, Partial):
+            return _pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
+        return _all_gather(local, comm, src_p.dim, full)
+    if isinstance(src_p, Partial):
+        comm = mesh.get_communicator(d)
+        if isinstance(dst_p, Shard):
+            return _reduce_scatter(local, comm, dst_p.dim, src_p.reduce_op)
+        return comm.all_reduce(local, src_p.reduce_op)
+    if isinstance(dst_p, Shard):
+        return _local_chunk(local, mesh.shape[d], coord[d], dst_p.dim)
+    if isinstance(dst_p, Partial):
+        return _partition(local, dst_p.reduce_op, coord[d])
+    return local
+
+
+def redistribute_traced(
+    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...], label: str
+) -> torch.Tensor:
+    """``redistribute_local`` that names itself to the debug tools (verbose lines, CommDebugMode)."""
+    if not STATE.listening:
+        return redistribute_local(local, spec, dst)
+    if STATE.verbose:
+        log_line("%-28s %s -> %s", label, spec, format_placements(dst))
+    with op_scope(label):
+        return redistribute_local(local, spec, dst)
 
 
 def grad_placements_for(placements: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -275,11 +309,11 @@ class Redistribute(torch.autograd.Function):
     def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:
         spec = input._spec
         ctx.src_placements = spec.placements
-        local = redistribute_local(input._local_tensor, spec, placements)
+        local = redistribute_traced(input._local_tensor, spec, placements, "redistribute")
         return type(input)(local, spec.with_placements(placements), requires_grad=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         target = grad_placements_for(ctx.src_placements)
-        local = redistribute_local(grad._local_tensor, grad._spec, target)
+        local = redistribute_traced(grad._local_tensor, grad._spec, target, "redistribute (backward)")
         return type(grad)(local, grad._spec.with_placements(target), requires_grad=False), None

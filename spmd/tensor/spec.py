@@ -12,7 +12,7 @@ from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_p
 
 __all__ = ["TensorMeta", "DTensorSpec", "local_shape_and_offset", "contiguous_strides", "normalize_placements"]
 
-_DTYPE_SHORT = {
+DTENSOR_DTYPE_SHORT = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
     torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
@@ -93,7 +93,7 @@ class DTensorSpec:
         return any(isinstance(p, Partial) for p in self.placements)
 
     def __str__(self) -> str:
-        dtype = _DTYPE_SHORT.get(self.tensor_meta.dtype, str(self.tensor_meta.dtype).replace("torch.", ""))
+        dtype = DTENSOR_DTYPE_SHORT.get(self.tensor_meta.dtype, str(self.tensor_meta.dtype).replace("torch.", ""))
         shape = ",".join(str(s) for s in self.shape)
         return f"{dtype}[{shape}] {format_placements(self.placements)} on {self.mesh}"
 

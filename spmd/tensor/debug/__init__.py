@@ -1,5 +1,26 @@
-"""Debugging aids: see what DTensor decides and communicates without editing library code."""
+"""Debugging aids: see what DTensor decides and communicates without editing library code.
+
+* ``SPMD_DEBUG=verbose`` / ``set_verbose(True)`` / ``with verbose():`` -- one log line per op.
+* ``CommDebugMode`` -- collectives and bytes, total, per op and per module.
+* ``visualize_sharding(dtensor)`` -- which rank holds which block.
+* ``explain(op, *args)`` -- the candidate strategies of one call, with costs.
+"""
 
 from spmd.tensor.debug.comm_mode import CommDebugMode
+from spmd.tensor.debug.explain import Explanation, explain
+from spmd.tensor.debug.state import configure_from_environment
+from spmd.tensor.debug.verbose import is_verbose, set_verbose, verbose
+from spmd.tensor.debug.visualize import sharding_table, visualize_sharding
 
-__all__ = ["CommDebugMode"]
+__all__ = [
+    "CommDebugMode",
+    "set_verbose",
+    "verbose",
+    "is_verbose",
+    "visualize_sharding",
+    "sharding_table",
+    "explain",
+    "Explanation",
+]
+
+configure_from_environment()

@@ -1,14 +1,63 @@
-"""CommDebugMode: count the collectives (and bytes) that DTensor issues inside a ``with`` block."""
+"""CommDebugMode: count the collectives (and bytes) DTensor issues, in total, per op and per module.
+
+Per-module counts use the modules' fully qualified names (``Transformer.layers.0.attn``), in the
+forward and the backward pass; a collective counts for every module that is running around it.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
-from spmd.tensor.comm.threaded import current_threaded_world
+from spmd.tensor.debug.state import STATE, current_op, current_rank_or_none
+from spmd.tensor.debug.verbose import human_bytes
 
-__all__ = ["CommDebugMode"]
+__all__ = ["CommDebugMode", "CommEvent"]
+
+GLOBAL = "Global"
+
+
+@dataclass(frozen=True, slots=True)
+class CommEvent:
+    """One collective seen by a CommDebugMode: what, issued by which op, inside which modules."""
+
+    record: CollectiveRecord
+    op: str
+    modules: tuple[str, ...]
+    backward: bool
+
+    @property
+    def kind(self) -> str:
+        return self.record.kind
+
+
+class _ModuleStack:
+    """The modules running on one thread, forward and backward, named by fully qualified name."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.backward_depth = 0
+        self.names: WeakKeyDictionary[nn.Module, str] = WeakKeyDictionary()
+
+    def name_of(self, module: nn.Module) -> str:
+        name = self.names.get(module)
+        if name is None:
+            name = type(module).__name__
+            self.names[module] = name
+            for child_name, child in module.named_modules():
+                if child_name:
+                    self.names.setdefault(child, f"{name}.{child_name}")
+        return name
 
 
 class CommDebugMode:
@@ -23,42 +72,144 @@ class CommDebugMode:
     """
 
     def __init__(self) -> None:
-        self.records: list[CollectiveRecord] = []
+        self.events: list[CommEvent] = []
         self._rank: int | None = None
+        self._thread = 0
+        self._modules = _ModuleStack()
+        self._handles: list[Any] = []
 
+    # ----- context manager -------------------------------------------------------------------------
     def __enter__(self) -> CommDebugMode:
-        self.records = []
-        world = current_threaded_world()
-        self._rank = world.current_rank() if world is not None else None
+        self.events = []
+        self._rank = current_rank_or_none()
+        self._thread = threading.get_ident()
         add_comm_observer(self._observe)
+        self._handles = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._leave_module),
+        ]
+        STATE.comm_modes += 1
+        STATE.refresh()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         remove_comm_observer(self._observe)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        STATE.comm_modes -= 1
+        STATE.refresh()
+
+    def _mine(self) -> bool:
+        return threading.get_ident() == self._thread
+
+    def _enter_module(self, module: nn.Module, inputs: Any) -> None:
+        if not self._mine():
+            return
+        name = self._modules.name_of(module)
+        self._modules.stack.append(name)
+        tensors = [t for t in _tensors(inputs) if t.requires_grad]
+        if tensors:
+            # The inputs' gradients are the last thing the module's backward produces.
+            register_multi_grad_hook(tensors, lambda grads: self._pop_backward(name), mode="any")
+
+    def _leave_module(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if not self._mine():
+            return
+        name = self._modules.name_of(module)
+        if self._modules.stack and self._modules.stack[-1] == name:
+            self._modules.stack.pop()
+        tensors = [t for t in _tensors(outputs) if t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._push_backward(name), mode="any")
+
+    def _push_backward(self, name: str) -> None:
+        self._modules.stack.append(name)
+        self._modules.backward_depth += 1
+
+    def _pop_backward(self, name: str) -> None:
+        if name in self._modules.stack:
+            index = len(self._modules.stack) - 1 - self._modules.stack[::-1].index(name)
+            del self._modules.stack[index]
+            self._modules.backward_depth = max(0, self._modules.backward_depth - 1)
 
     def _observe(self, record: CollectiveRecord) -> None:
-        if self._rank is None or record.rank == self._rank:
-            self.records.append(record)
+        if self._rank is not None and record.rank != self._rank:
+            return
+        if self._rank is None and not self._mine():
+            return
+        op = current_op() or "other"
+        backward = self._modules.backward_depth > 0 or torch._C._current_graph_task_id() != -1
+        self.events.append(CommEvent(record, op, tuple(self._modules.stack), backward))
+
+    # ----- queries ---------------------------------------------------------------------------------
+    @property
+    def records(self) -> list[CollectiveRecord]:
+        return [e.record for e in self.events]
 
     def get_total_counts(self) -> int:
         """Number of collectives issued."""
-        return len(self.records)
+        return len(self.events)
 
     def get_comm_counts(self) -> dict[str, int]:
         """Collectives issued, by kind (``all_gather``, ``all_reduce``, ``reduce_scatter``, ...)."""
-        return dict(Counter(r.kind for r in self.records))
+        return dict(Counter(e.kind for e in self.events))
 
     def get_comm_bytes(self) -> dict[str, int]:
         """Bytes this rank received, by kind (ring-algorithm accounting, see ``CollectiveRecord``)."""
         totals: Counter[str] = Counter()
-        for r in self.records:
-            totals[r.kind] += r.moved_bytes
+        for e in self.events:
+            totals[e.kind] += e.record.moved_bytes
         return dict(totals)
 
     def get_total_bytes(self) -> int:
-        return sum(r.moved_bytes for r in self.records)
+        return sum(e.record.moved_bytes for e in self.events)
+
+    def get_per_op_comm_counts(self) -> dict[str, dict[str, int]]:
+        """``{op: {collective: count}}``; ops are aten overloads or ``redistribute``."""
+        table: dict[str, Counter[str]] = defaultdict(Counter)
+        for e in self.events:
+            table[e.op][e.kind] += 1
+        return {op: dict(c) for op, c in table.items()}
+
+    def get_per_module_comm_counts(self, *, backward: bool | None = None) -> dict[str, dict[str, int]]:
+        """``{module FQN: {collective: count}}``, including ``Global`` for everything.
+
+        ``backward=True`` / ``False`` keeps only the backward / forward pass; None keeps both.
+        """
+        table: dict[str, Counter[str]] = defaultdict(Counter)
+        for e in self.events:
+            if backward is not None and e.backward != backward:
+                continue
+            for name in (GLOBAL, *dict.fromkeys(e.modules)):
+                table[name][e.kind] += 1
+        return {name: dict(c) for name, c in table.items()}
+
+    # ----- reports ---------------------------------------------------------------------------------
+    def generate_comm_debug_tracing_table(self, noise_level: int = 0) -> str:
+        """A readable table: per module and pass, the collectives and bytes (``noise_level>=1``: per op)."""
+        rows: list[tuple[str, str, str, int, int]] = []
+        grouped: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = defaultdict(dict)
+        for e in self.events:
+            phase = "backward" if e.backward else "forward"
+            for name in (GLOBAL, *dict.fromkeys(e.modules)):
+                key = (e.op if noise_level >= 1 else "", e.kind)
+                cell = grouped[(name, phase)].setdefault(key, [0, 0])
+                cell[0] += 1
+                cell[1] += e.record.moved_bytes
+        for (name, phase), cells in grouped.items():
+            for (op, kind), (count, nbytes) in cells.items():
+                rows.append((name, phase, f"{kind}" + (f"  [{op}]" if op else ""), count, nbytes))
+        if not rows:
+            return "no collectives"
+        width = max(len(r[0]) for r in rows)
+        kwidth = max(len(r[2]) for r in rows)
+        lines = [f"{'module':<{width}}  {'pass':<8}  {'collective':<{kwidth}}  {'count':>5}  {'bytes':>10}"]
+        for name, phase, kind, count, nbytes in rows:
+            lines.append(f"{name:<{width}}  {phase:<8}  {kind:<{kwidth}}  {count:>5}  {human_bytes(nbytes):>10}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         lines = [f"{'collective':<16}{'count':>7}{'bytes':>14}"]
@@ -69,3 +220,13 @@ class CommDebugMode:
 
     def __repr__(self) -> str:
         return f"CommDebugMode(counts={self.get_comm_counts()})"
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
