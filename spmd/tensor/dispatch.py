@@ -6,6 +6,8 @@ plus the local kernel; nothing is formatted for logging unless the debug logger 
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
@@ -13,14 +15,15 @@ import torch
 from spmd.tensor.debug.state import STATE, op_scope
 from spmd.tensor.debug.verbose import log_line
 from spmd.tensor.ops.registry import REGISTRY, OpCall
-from spmd.tensor.placement import format_placements
-from spmd.tensor.propagation import Decision, ShardingPropagator
+from spmd.tensor.placement import Replicate, format_placements
+from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
 from spmd.tensor.redistribute import redistribute_local
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER"]
 
 _SCALAR_TENSOR = "scalar-tensor"
+fallback_logger = logging.getLogger("spmd.tensor.dispatch")
 
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -75,6 +78,9 @@ class Dispatcher:
         self._registry_version = REGISTRY.version
         self.hits = 0
         self.misses = 0
+        self.fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
+        """Run ops that have no rule on replicated inputs (logged) instead of raising."""
+        self._warned: set[Any] = set()
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -138,6 +144,8 @@ class Dispatcher:
             out_spec = DTensorSpec(mesh, placements, meta)
             local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, out_spec)
         result = op(*local_args, **local_kwargs)
+        if decision.fallback:
+            return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:
             return args[0]
         return _wrap(result, decision, mesh)
@@ -160,7 +168,45 @@ class Dispatcher:
     def _decide(
         self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
     ) -> Decision:
-        return self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+        if self.fallback and self.propagator.registry.rule_for(op) is None:
+            refusal = fallback_refusal(op)
+            if refusal is None:
+                return self._fallback_decision(op, leaves, positions)
+            specs = ", ".join(
+                f"{format_placements(leaves[i]._spec.placements)} {list(leaves[i]._spec.shape)}" for i in positions
+            )
+            raise ShardingError(
+                f"{op} has no sharding rule (inputs {specs}) and the replicate fallback does not apply: "
+                f"{refusal}; register a rule in spmd/tensor/ops/ or run the op on .to_local() tensors"
+            )
+        try:
+            return self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+        except ShardingError:
+            # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
+            # written back into self's shard.
+            if self.fallback and is_inplace(op) and fallback_refusal(op) is None:
+                return self._fallback_decision(op, leaves, positions)
+            raise
+
+    def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int]) -> Decision:
+        mesh = leaves[positions[0]]._spec.mesh
+        replicate = (Replicate(),) * mesh.ndim
+        if op not in self._warned:
+            self._warned.add(op)
+            fallback_logger.warning(
+                "%s has no sharding rule; it runs on replicated inputs (every input is gathered). "
+                "Register a rule in spmd/tensor/ops/ to keep it sharded.",
+                op,
+            )
+        return Decision(
+            input_placements=(replicate,) * len(positions),
+            output_placements=(),
+            output_metas=(),
+            strategies=(),
+            cost=float("inf"),
+            inplace=is_inplace(op),
+            fallback=True,
+        )
 
     def _make_call(
         self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
@@ -196,6 +242,28 @@ class Dispatcher:
         return self._make_call(op, leaves, shape, list(kwargs), positions)
 
 
+def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], local_args: list[Any], mesh: Any) -> Any:
+    """Wrap a fallback's whole-tensor results as Replicate; an in-place op writes back into self."""
+    from spmd.tensor.dtensor import DTensor
+
+    replicate = (Replicate(),) * mesh.ndim
+    if decision.inplace:
+        target: DTensor = args[0]
+        full_spec = target._spec.with_placements(replicate)
+        piece = redistribute_local(local_args[0], full_spec, target._spec.placements)
+        target._local_tensor.copy_(piece)
+        return target
+
+    def one(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return DTensor(value, DTensorSpec(mesh, replicate, TensorMeta.of(value)), requires_grad=False)
+
+    if isinstance(result, (tuple, list)):
+        return type(result)(one(r) for r in result)
+    return one(result)
+
+
 def _wrap(result: Any, decision: Decision, mesh: Any) -> Any:
     from spmd.tensor.dtensor import DTensor
 
@@ -218,6 +286,9 @@ def _log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bo
         for p, m in zip(decision.output_placements, decision.output_metas)
         if p is not None and m is not None
     )
+    if decision.fallback:
+        log_line("%-30s %s  ->  FALLBACK: no rule, inputs replicated   [%s]", op, inputs, "HIT" if hit else "MISS")
+        return
     chosen = " | ".join(str(s) for s in decision.strategies)
     log_line("%-30s %s  ->  %s   via %s   [%s]", op, inputs, outputs or "-", chosen, "HIT" if hit else "MISS")
 

@@ -38,6 +38,8 @@ class Decision:
     inplace: bool
     local_args: Any = None
     """The op's ``LocalArgs`` hook, if its arguments must be made local on every call."""
+    fallback: bool = False
+    """No rule: inputs were replicated and the op ran on whole tensors (outputs are Replicate)."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -52,6 +54,21 @@ def is_inplace(op: Any) -> bool:
     """Aten in-place overloads (``add_``, ``copy_``) mutate and return their first argument."""
     name: str = op._schema.name
     return name.endswith("_") and not name.endswith("__")
+
+
+def fallback_refusal(op: Any) -> str | None:
+    """Why the replicate fallback would be wrong for ``op``, or None when it is safe.
+
+    Random ops would draw different numbers on every rank, and ``out=`` ops would write into a
+    temporary copy instead of the caller's tensor.
+    """
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "it is random, so replicas would disagree"
+    arguments = op._schema.arguments
+    writes = [a.name for a in arguments[1 if is_inplace(op) else 0 :] if a.alias_info is not None and a.alias_info.is_write]
+    if writes:
+        return f"it writes into its {', '.join(writes)} argument"
+    return None
 
 
 class ShardingPropagator:

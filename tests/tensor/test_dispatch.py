@@ -139,11 +139,16 @@ class DispatchTest(DTensorTestBase):
         torch.testing.assert_close(x.full_tensor(), (full + other) * 2)
 
     @with_comms
-    def test_in_place_op_that_would_change_layout_raises(self) -> None:
+    def test_in_place_op_that_needs_another_layout_runs_on_the_whole_tensor(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        x = make_dtensor(torch.randn(4, 4), mesh, [Partial()])
-        with self.assertRaisesRegex(NotImplementedError, "in-place aten.relu_.default .*keeps its self placement"):
-            x.relu_()
+        full = randn(4, 4)
+        x = make_dtensor(full, mesh, [Partial()])
+        with CommDebugMode() as comm:
+            returned = x.relu_()  # relu of a partial needs the reduced value
+        self.assertIs(returned, x)
+        self.assertEqual(x.placements, (Partial(),))
+        self.assertEqual(comm.get_comm_counts(), {"all_reduce": 1})
+        torch.testing.assert_close(x.full_tensor(), torch.relu(full))
 
     @with_comms
     def test_plain_tensor_operands_are_rejected_with_a_fix(self) -> None:
@@ -173,14 +178,18 @@ class DispatchTest(DTensorTestBase):
 
 
 # The registry is process-wide, so a rule is swapped around the whole world, not inside one rank.
-def test_op_without_rule_names_op_and_placements() -> None:
+def test_without_fallback_an_op_without_rule_names_op_and_placements() -> None:
     def exp_of_shard() -> None:
         mesh = init_device_mesh("cpu", (4,))
         torch.exp(distribute_tensor(randn(8, 4), mesh, [Shard(0)]))
 
     expected = r"aten.exp.default has no sharding rule \(inputs \(S\(0\)\) \[8, 4\]\)"
-    with REGISTRY.override(aten.exp.default, None), pytest.raises(NotImplementedError, match=expected):
-        run_threaded(exp_of_shard, 4)
+    DISPATCHER.fallback = False
+    try:
+        with REGISTRY.override(aten.exp.default, None), pytest.raises(NotImplementedError, match=expected):
+            run_threaded(exp_of_shard, 4)
+    finally:
+        DISPATCHER.fallback = True
 
 
 def test_rules_can_be_swapped_in_a_block() -> None:
@@ -194,3 +203,29 @@ def test_rules_can_be_swapped_in_a_block() -> None:
     with REGISTRY.override(aten.exp.default, replicate_only):
         assert run_threaded(exp_placements, 4) == [(Replicate(),)] * 4
     assert run_threaded(exp_placements, 4) == [(Shard(0),)] * 4
+
+
+def test_ops_without_rules_fall_back_to_replicated_inputs() -> None:
+    def cummax_of_shards() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(7, 5)
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            values, indices = torch.ops.aten.cummax.default(x, 0)
+        expected_values, expected_indices = torch.cummax(full, 0)
+        torch.testing.assert_close(values.full_tensor(), expected_values)
+        torch.testing.assert_close(indices.full_tensor(), expected_indices)
+        return values.placements, comm.get_comm_counts()
+
+    with REGISTRY.override(aten.cummax.default, None):
+        assert run_threaded(cummax_of_shards, 4)[0] == ((Replicate(),), {"all_gather": 1})
+
+
+def test_random_ops_without_rules_raise_instead_of_falling_back() -> None:
+    def bernoulli_of_shards() -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        torch.bernoulli(distribute_tensor(torch.full((8, 4), 0.5), mesh, [Shard(0)]))
+
+    with REGISTRY.override(aten.bernoulli.default, None), pytest.raises(NotImplementedError, match="it is random"):
+        run_threaded(bernoulli_of_shards, 4)
+
