@@ -182,26 +182,30 @@ def full(size: Sequence[int], fill_value: Any, *, device_mesh: DeviceMesh | None
                     placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=True)
 
 
-def _random(sample: Callable[..., torch.Tensor], size: tuple[Any, ...], device_mesh: DeviceMesh | None,
+def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
             placements: Sequence[Placement] | None, dtype: torch.dtype | None, requires_grad: bool) -> DTensor:
     if device_mesh is None:
         raise ValueError("DTensor factories need device_mesh=")
-    # Coordinate 0 draws the global tensor and distribute_tensor hands out the pieces, so the
-    # values equal a single-device draw and replicas agree.
+    from spmd.tensor.random import draw_global, local_piece_of
+
     shape = _size_arg(size)
-    full_tensor = sample(shape, dtype=dtype or torch.get_default_dtype())
-    result = distribute_tensor(full_tensor, device_mesh, placements)
-    result.requires_grad_(requires_grad)
-    return result
+    dtype = dtype or torch.get_default_dtype()
+    placements = _resolve_placements(device_mesh, placements, len(shape))
+    # Each rank draws the global tensor from its DTensor generator and keeps its piece: the
+    # numbers a single device would draw, with no communication.
+    full = draw_global(device_mesh, shape, dtype, fill)
+    local = local_piece_of(full, device_mesh, placements)
+    meta = TensorMeta(shape, contiguous_strides(shape), dtype)
+    return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 
 
 def rand(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
-    """Uniform [0, 1) values, the same numbers a single device would draw from rank 0's generator."""
-    return _random(torch.rand, size, device_mesh, placements, dtype, requires_grad)
+    """Uniform [0, 1) values: a single device's draw after ``torch.manual_seed`` with the same seed."""
+    return _random("uniform_", size, device_mesh, placements, dtype, requires_grad)
 
 
 def randn(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
           dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
-    """Standard normal values, the same numbers a single device would draw from rank 0's generator."""
-    return _random(torch.randn, size, device_mesh, placements, dtype, requires_grad)
+    """Standard normal values: a single device's draw after ``torch.manual_seed`` with the same seed."""
+    return _random("normal_", size, device_mesh, placements, dtype, requires_grad)

@@ -143,7 +143,15 @@ class Dispatcher:
             assert placements is not None and meta is not None  # ops with a local_args hook return a tensor
             out_spec = DTensorSpec(mesh, placements, meta)
             local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, out_spec)
-        result = op(*local_args, **local_kwargs)
+        if decision.local_impl is not None:
+            input_specs = tuple(s.with_placements(p) for s, p in zip(specs, decision.input_placements))
+            output_specs = tuple(
+                None if p is None or m is None else DTensorSpec(mesh, p, m)
+                for p, m in zip(decision.output_placements, decision.output_metas)
+            )
+            result = decision.local_impl(op, local_args, local_kwargs, input_specs, output_specs)
+        else:
+            result = op(*local_args, **local_kwargs)
         if decision.fallback:
             return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:

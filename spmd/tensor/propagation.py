@@ -40,6 +40,8 @@ class Decision:
     """The op's ``LocalArgs`` hook, if its arguments must be made local on every call."""
     fallback: bool = False
     """No rule: inputs were replicated and the op ran on whole tensors (outputs are Replicate)."""
+    local_impl: Any = None
+    """The op's ``LocalImpl`` hook, if it computes its local result itself."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -150,6 +152,7 @@ class ShardingPropagator:
             total,
             inplace,
             self.registry.local_args_for(call.op),
+            local_impl=self.registry.local_impl_for(call.op),
         )
 
 

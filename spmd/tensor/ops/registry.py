@@ -18,7 +18,7 @@ import torch
 from spmd.tensor.placement import Placement
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
-__all__ = ["OpStrategy", "OpCall", "Rule", "LocalArgs", "OpRegistry", "REGISTRY", "register_rule"]
+__all__ = ["OpStrategy", "OpCall", "Rule", "LocalArgs", "LocalImpl", "OpRegistry", "REGISTRY", "register_rule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,10 @@ Rule = Callable[[OpCall], Sequence[OpStrategy]]
 LocalArgs = Callable[[list[Any], dict[str, Any], Any, DTensorSpec], tuple[list[Any], dict[str, Any]]]
 """Rewrites the local call's arguments (e.g. a view's global sizes to this rank's local sizes):
 ``(args, kwargs, decision, output spec) -> (args, kwargs)``; runs on every call, after the decision."""
+LocalImpl = Callable[[Any, list[Any], dict[str, Any], tuple[DTensorSpec, ...], tuple[Any, ...]], Any]
+"""Computes the local result itself instead of calling the op on the shards (random ops draw the
+global tensor and keep their piece): ``(op, args, kwargs, input specs as redistributed, output
+specs) -> local result``. Output specs are None for non-tensor outputs."""
 
 
 def _overloads(op: Any) -> list[torch._ops.OpOverload]:
@@ -73,13 +77,17 @@ class OpRegistry:
     def __init__(self) -> None:
         self._rules: dict[Any, Rule] = {}
         self._local_args: dict[Any, LocalArgs] = {}
+        self._local_impls: dict[Any, LocalImpl] = {}
         self.version = 0
         """Bumped on every change so decision caches know to drop their entries."""
 
-    def register(self, *ops: Any, local_args: LocalArgs | None = None) -> Callable[[Rule], Rule]:
+    def register(
+        self, *ops: Any, local_args: LocalArgs | None = None, local_impl: LocalImpl | None = None
+    ) -> Callable[[Rule], Rule]:
         """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload.
 
-        ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand).
+        ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand);
+        ``local_impl`` for ops whose local result is not the op applied to the shards (random ops).
         """
 
         def decorate(rule: Rule) -> Rule:
@@ -88,6 +96,8 @@ class OpRegistry:
                     self._rules[overload] = rule
                     if local_args is not None:
                         self._local_args[overload] = local_args
+                    if local_impl is not None:
+                        self._local_impls[overload] = local_impl
             self.version += 1
             return rule
 
@@ -98,6 +108,9 @@ class OpRegistry:
 
     def local_args_for(self, op: Any) -> LocalArgs | None:
         return self._local_args.get(op)
+
+    def local_impl_for(self, op: Any) -> LocalImpl | None:
+        return self._local_impls.get(op)
 
     def registered_ops(self) -> list[Any]:
         return list(self._rules)

@@ -1,8 +1,8 @@
 """Ops that keep the layout: aliases, copies, casts, and ``*_like`` factories.
 
   detach, alias, clone, _to_copy:  p -> p for every placement
-  zeros_like, empty_like:           p -> p (zero is zero under every reduction)
-  ones_like, full_like:             S(d) -> S(d); R -> R; P -> R (the value must not be reduced again)
+  zeros_like:                       p -> p (zero is zero under every reduction)
+  ones_like, full_like, empty_like: S(d) -> S(d); R -> R; P -> R (a new value is whole)
   copy_(self, src):                 src follows self's placement (broadcasting like add)
   new_empty_strided, new_zeros, ...: same shape as self: S(d) -> S(d), otherwise R
 """
@@ -23,15 +23,15 @@ aten = torch.ops.aten
 
 
 @register_rule(aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
-               aten.zeros_like.default, aten.empty_like.default)
+               aten.zeros_like.default)
 def identity_rule(call: OpCall) -> Sequence[OpStrategy]:
     """p -> p: the op touches each element on its own rank and nothing else."""
     return identity_candidates(call.input_specs[0].ndim)
 
 
-@register_rule(aten.ones_like.default, aten.full_like.default)
+@register_rule(aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
 def fill_like_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """S(d) -> S(d); R -> R; P -> R: a constant fill is already the whole value."""
+    """S(d) -> S(d); R -> R; P -> R: a new tensor's value is whole (and a fill must not be reduced)."""
     candidates = identity_candidates(call.input_specs[0].ndim, partials=())
     return candidates + [OpStrategy((p,), (R,)) for p in PARTIALS]
 

@@ -1,0 +1,99 @@
+"""Random ops: each rank draws the global tensor from its DTensor generator and keeps its piece.
+
+  uniform_, normal_, bernoulli_, ... (in place):  self keeps its placement (a partial gets the
+                                                  value on coordinate 0, as distribute_tensor does)
+  rand_like, randn_like:                          S(d) -> S(d); R -> R; P -> R
+  native_dropout(x):                              S(d) -> S(d), mask S(d); R -> R; P -> P, mask R
+  native_dropout_backward(grad, mask):            elementwise, linear in grad
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, identity_candidates, pointwise_candidates
+from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.random import draw_global, local_piece_of
+from spmd.tensor.spec import DTensorSpec
+
+aten = torch.ops.aten
+
+_IN_PLACE_FILLS = {
+    aten.uniform_.default: "uniform_",
+    aten.normal_.default: "normal_",
+    aten.bernoulli_.float: "bernoulli_",
+    aten.exponential_.default: "exponential_",
+    aten.log_normal_.default: "log_normal_",
+    aten.cauchy_.default: "cauchy_",
+    aten.geometric_.default: "geometric_",
+    aten.random_.default: "random_",
+    aten.random_.to: "random_",
+    getattr(aten.random_, "from"): "random_",
+}
+_LIKE_FILLS = {aten.rand_like.default: "uniform_", aten.randn_like.default: "normal_"}
+
+
+def _fill_in_place(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    spec = inputs[0]
+    rest = {k: v for k, v in kwargs.items() if k != "generator"}
+    full = draw_global(spec.mesh, spec.shape, spec.tensor_meta.dtype, _IN_PLACE_FILLS[op], *args[1:], **rest)
+    local: torch.Tensor = args[0]
+    return local.copy_(local_piece_of(full, spec.mesh, spec.placements))
+
+
+@register_rule(*_IN_PLACE_FILLS, local_impl=_fill_in_place)
+def in_place_fill_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """p -> p: the new values replace the old ones wherever they are."""
+    return identity_candidates(call.input_specs[0].ndim)
+
+
+def _like(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    out: DTensorSpec = outputs[0]
+    full = draw_global(out.mesh, out.shape, out.tensor_meta.dtype, _LIKE_FILLS[op])
+    return local_piece_of(full, out.mesh, out.placements)
+
+
+@register_rule(*_LIKE_FILLS, local_impl=_like)
+def like_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d); R -> R; P -> R (only the shape of the input matters)."""
+    ndim = call.input_specs[0].ndim
+    options: list[Placement] = [R, *(Shard(d) for d in range(ndim))]
+    return [OpStrategy((p,), (p,)) for p in options] + [OpStrategy((p,), (R,)) for p in PARTIALS]
+
+
+def _dropout(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    local: torch.Tensor = args[0]
+    p = float(args[1] if len(args) > 1 else kwargs["p"])
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    mask_spec: DTensorSpec = outputs[1]
+    if train is False:
+        return local.clone(), torch.ones_like(local, dtype=torch.bool)
+    keep = 1.0 - p
+    full = draw_global(mask_spec.mesh, mask_spec.shape, local.dtype, "bernoulli_", keep)
+    mask = local_piece_of(full, mask_spec.mesh, mask_spec.placements)
+    scale = 1.0 / keep if keep > 0 else 0.0
+    return local * mask * scale, mask.bool()
+
+
+@register_rule(aten.native_dropout.default, local_impl=_dropout)
+def dropout_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) with mask S(d); R -> R; P(sum|avg) -> P with a replicated mask (linear in x)."""
+    ndim = call.input_specs[0].ndim
+    options: list[Placement] = [R, *(Shard(d) for d in range(ndim))]
+    return [OpStrategy((p,), (p, p)) for p in options] + [OpStrategy((p,), (p, R)) for p in LINEAR_PARTIALS]
+
+
+@register_rule(aten.native_dropout_backward.default)
+def dropout_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """grad x mask: S(d) x S(d) -> S(d); P x R -> P (linear in the gradient)."""
+    return pointwise_candidates(call, linearity="multiplicative")
