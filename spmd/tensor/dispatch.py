@@ -6,8 +6,11 @@ plus the local kernel; nothing is formatted for logging unless the debug logger 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +23,7 @@ from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator,
 from spmd.tensor.redistribute import redistribute_local
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
 
-__all__ = ["dispatch", "Dispatcher", "DISPATCHER"]
+__all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication"]
 
 _SCALAR_TENSOR = "scalar-tensor"
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
@@ -89,6 +92,8 @@ class Dispatcher:
         from spmd.tensor.dtensor import DTensor
 
         leaves, shape = _flatten(args, kwargs)
+        if _has_plain_tensor(leaves):
+            leaves = self._replicate_plain_tensors(op, leaves)
         key_parts: list[Any] = [op, tuple(shape)]
         dtensor_positions: list[int] = []
         for i, a in enumerate(leaves):
@@ -101,13 +106,7 @@ class Dispatcher:
                 dtensor_positions.append(i)
                 key_parts.append(a._spec)
             elif isinstance(a, torch.Tensor):
-                if a.ndim != 0:
-                    # Not TypeError: Python would turn that into "unsupported operand" for `x + t`.
-                    raise RuntimeError(
-                        f"{op} got a plain torch.Tensor of shape {list(a.shape)} mixed with DTensors; "
-                        "convert it with distribute_tensor(t, mesh, placements) or DTensor.from_local first"
-                    )
-                key_parts.append((_SCALAR_TENSOR, a.dtype))
+                key_parts.append((_SCALAR_TENSOR, a.dtype))  # only 0-d ones are left here
             else:
                 key_parts.append((type(a), a))
         if not dtensor_positions:
@@ -159,6 +158,32 @@ class Dispatcher:
         return _wrap(result, decision, mesh)
 
     @staticmethod
+    def _replicate_plain_tensors(op: Any, leaves: list[Any]) -> list[Any]:
+        """Plain (non 0-d) tensors become replicated DTensors where that is known to be safe.
+
+        Inside backward they come from autograd's own formulas (``zeros``, ``ones``), which are
+        the same on every rank; elsewhere only inside ``implicit_replication()``.
+        """
+        from spmd.tensor.dtensor import DTensor
+
+        mesh = next(a._spec.mesh for a in leaves if isinstance(a, DTensor))
+        allowed = _implicit.enabled or torch._C._current_graph_task_id() != -1
+        replicate = (Replicate(),) * mesh.ndim
+        converted = list(leaves)
+        for i, a in enumerate(leaves):
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0:
+                if not allowed:
+                    # Not TypeError: Python would turn that into "unsupported operand" for `x + t`.
+                    raise RuntimeError(
+                        f"{op} got a plain torch.Tensor of shape {list(a.shape)} mixed with DTensors; "
+                        "convert it with distribute_tensor(t, mesh, placements) or DTensor.from_local first, "
+                        "or wrap the call in spmd.tensor.dispatch.implicit_replication() if every rank holds "
+                        "the same tensor"
+                    )
+                converted[i] = DTensor(a, DTensorSpec(mesh, replicate, TensorMeta.of(a)), requires_grad=False)
+        return converted
+
+    @staticmethod
     def _localize(leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool) -> list[Any]:
         """Leaves with every DTensor replaced by its local shard in the placements the op needs."""
         local_leaves = list(leaves)
@@ -179,7 +204,7 @@ class Dispatcher:
         if self.fallback and self.propagator.registry.rule_for(op) is None:
             refusal = fallback_refusal(op)
             if refusal is None:
-                return self._fallback_decision(op, leaves, positions)
+                return self._fallback_decision(op, leaves, positions, why="has no sharding rule")
             specs = ", ".join(
                 f"{format_placements(leaves[i]._spec.placements)} {list(leaves[i]._spec.shape)}" for i in positions
             )
@@ -193,18 +218,19 @@ class Dispatcher:
             # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
             # written back into self's shard.
             if self.fallback and is_inplace(op) and fallback_refusal(op) is None:
-                return self._fallback_decision(op, leaves, positions)
+                return self._fallback_decision(op, leaves, positions, why="cannot keep self's placement")
             raise
 
-    def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int]) -> Decision:
+    def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int], *, why: str) -> Decision:
         mesh = leaves[positions[0]]._spec.mesh
         replicate = (Replicate(),) * mesh.ndim
         if op not in self._warned:
             self._warned.add(op)
             fallback_logger.warning(
-                "%s has no sharding rule; it runs on replicated inputs (every input is gathered). "
+                "%s %s; it runs on replicated inputs (every input is gathered). "
                 "Register a rule in spmd/tensor/ops/ to keep it sharded.",
                 op,
+                why,
             )
         return Decision(
             input_placements=(replicate,) * len(positions),
@@ -248,6 +274,30 @@ class Dispatcher:
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
         return self._make_call(op, leaves, shape, list(kwargs), positions)
+
+
+class _ImplicitReplication(threading.local):
+    enabled = False
+
+
+_implicit = _ImplicitReplication()
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Treat plain tensors mixed with DTensors as replicated (every rank must hold the same values)."""
+    was = _implicit.enabled
+    _implicit.enabled = True
+    try:
+        yield
+    finally:
+        _implicit.enabled = was
+
+
+def _has_plain_tensor(leaves: list[Any]) -> bool:
+    from spmd.tensor.dtensor import DTensor
+
+    return any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0 for a in leaves)
 
 
 def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], local_args: list[Any], mesh: Any) -> Any:

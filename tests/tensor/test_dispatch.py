@@ -9,7 +9,7 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import DISPATCHER
+from spmd.tensor.dispatch import DISPATCHER, implicit_replication
 from spmd.tensor.ops import REGISTRY, OpStrategy
 from spmd.testing import DTensorTestBase, run_threaded, with_comms
 from spmd.testing.layouts import make_dtensor
@@ -229,3 +229,29 @@ def test_random_ops_without_rules_raise_instead_of_falling_back() -> None:
     with REGISTRY.override(aten.bernoulli.default, None), pytest.raises(NotImplementedError, match="it is random"):
         run_threaded(bernoulli_of_shards, 4)
 
+
+
+def test_plain_tensors_join_as_replicas_only_when_asked() -> None:
+    def add_plain() -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(8, 4), mesh, [Shard(0)])
+        with implicit_replication():
+            return (x + randn(8, 4, seed=1)).full_tensor()
+
+    for result in run_threaded(add_plain, 4):
+        torch.testing.assert_close(result, randn(8, 4) + randn(8, 4, seed=1))
+
+
+def test_backward_formulas_that_build_plain_tensors_work() -> None:
+    full = randn(4, 6).abs() + 0.5
+
+    def prod_grad() -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(full, mesh, [Shard(1)]).requires_grad_()
+        torch.prod(x, dim=1).full_tensor().sum().backward()
+        return x.grad.full_tensor()
+
+    reference = full.clone().requires_grad_()
+    torch.prod(reference, dim=1).sum().backward()
+    for grad in run_threaded(prod_grad, 4):
+        torch.testing.assert_close(grad, reference.grad)

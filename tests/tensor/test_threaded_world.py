@@ -97,3 +97,17 @@ def test_collectives_do_not_alias_between_ranks() -> None:
 def test_outside_a_world_the_error_says_how_to_start_one() -> None:
     with pytest.raises(RuntimeError, match=r"torchrun.*run_threaded"):
         init_device_mesh("cpu", (2,))
+
+
+def test_a_fast_rank_overwriting_its_input_does_not_change_what_others_receive() -> None:
+    def reduce_then_overwrite() -> float:
+        mesh = init_device_mesh("cpu", (4,))
+        mine = torch.full((1000,), float(mesh.get_rank()))
+        total = mesh.get_communicator(0).all_reduce(mine, "sum")
+        mine.fill_(100.0)  # rank 0 may get here before rank 3 has read its input
+        if mesh.get_rank() == 3:
+            time.sleep(0.01)
+        return total.sum().item()
+
+    for _ in range(5):
+        assert run_threaded(reduce_then_overwrite, 4) == [6000.0] * 4

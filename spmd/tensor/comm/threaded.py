@@ -158,6 +158,10 @@ class ThreadedCommunicator(Communicator):
         return self.ranks.index(self.world.current_rank())
 
     def _exchange(self, kind: str, value: Any) -> list[Any]:
+        # Send a snapshot, as a wire would: a fast rank may overwrite its input right after the
+        # collective returns, while a slower one is still reading it.
+        if isinstance(value, torch.Tensor):
+            value = value.clone()
         return self.world.exchange(self.ranks, kind, value)
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -176,7 +180,7 @@ class ThreadedCommunicator(Communicator):
         return torch.stack([s[me] for s in self._exchange("all_to_all", stacked)])
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self._exchange("broadcast", tensor)[src].clone()
+        return self._exchange("broadcast", tensor)[src].clone()  # every receiver gets its own copy
 
     def _scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         return self._exchange("scatter", stacked)[src][self.local_rank].clone()
