@@ -66,7 +66,9 @@ class DeviceMesh:
         if _create_groups:
             groups = sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
             self._world.create_groups(groups)
-        self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names))
+        # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
+        # communicators belong to different ranks.
+        self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names, id(self._world)))
 
     # ----- shape -----------------------------------------------------------------------------------
     @property
@@ -154,6 +156,7 @@ class DeviceMesh:
             return NotImplemented
         return (
             self._hash == other._hash
+            and self._world is other._world
             and self.device_type == other.device_type
             and self._shape == other._shape
             and self._flat == other._flat

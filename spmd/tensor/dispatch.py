@@ -7,6 +7,7 @@ plus the local kernel; nothing is formatted for logging unless the debug logger 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ import torch
 
 from spmd.tensor.debug.state import STATE, op_scope
 from spmd.tensor.debug.verbose import log_line
+from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.registry import REGISTRY, OpCall
 from spmd.tensor.placement import Replicate, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
@@ -26,11 +28,22 @@ from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication"]
 
 _SCALAR_TENSOR = "scalar-tensor"
+_AMBIGUOUS_KEYS = (float, bool, complex)
+_CACHE_LIMIT = 50_000
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
 
 
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
-    """Leaves of ``args``/``kwargs`` (one level of lists, as aten schemas have) and their keys."""
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    """Leaves of ``args``/``kwargs`` (one level of lists, as aten schemas have) and their layout.
+
+    The layout is ``()`` when the call is plain positional leaves, the common case.
+    """
+    if not kwargs:
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                break
+        else:
+            return list(args), ()
     leaves: list[Any] = []
     shape: list[Any] = []
     for a in args:
@@ -47,10 +60,12 @@ def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], 
         else:
             shape.append(name)
             leaves.append(a)
-    return leaves, shape
+    return leaves, tuple(shape)
 
 
-def _unflatten(leaves: list[Any], shape: list[Any], kwarg_names: list[str]) -> tuple[list[Any], dict[str, Any]]:
+def _unflatten(leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str]) -> tuple[list[Any], dict[str, Any]]:
+    if not shape:
+        return list(leaves), {}
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     pos = 0
@@ -89,27 +104,32 @@ class Dispatcher:
         self._cache.clear()
 
     def dispatch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from spmd.tensor.dtensor import DTensor
-
+        """Run aten ``op`` on DTensor arguments: propagate -> redistribute -> run local -> wrap."""
         leaves, shape = _flatten(args, kwargs)
-        if _has_plain_tensor(leaves):
-            leaves = self._replicate_plain_tensors(op, leaves)
-        key_parts: list[Any] = [op, tuple(shape)]
-        dtensor_positions: list[int] = []
+        key_parts: list[Any] = [op, shape]
+        positions: list[int] = []
+        mesh: Any = None
         for i, a in enumerate(leaves):
             if isinstance(a, DTensor):
-                if dtensor_positions and a._spec.mesh != leaves[dtensor_positions[0]]._spec.mesh:
+                spec = a._spec
+                if mesh is None:
+                    mesh = spec.mesh
+                elif spec.mesh is not mesh and spec.mesh != mesh:
                     raise ValueError(
-                        f"{op} got DTensors on different meshes ({leaves[dtensor_positions[0]]._spec.mesh} and "
-                        f"{a._spec.mesh}); redistribute or create them on one DeviceMesh"
+                        f"{op} got DTensors on different meshes ({mesh} and {spec.mesh}); "
+                        "redistribute or create them on one DeviceMesh"
                     )
-                dtensor_positions.append(i)
-                key_parts.append(a._spec)
+                positions.append(i)
+                key_parts.append(spec)
             elif isinstance(a, torch.Tensor):
-                key_parts.append((_SCALAR_TENSOR, a.dtype))  # only 0-d ones are left here
-            else:
+                if a.ndim != 0:  # rare: autograd formulas, implicit_replication()
+                    return self.dispatch(op, *self._replicate_plain_tensors(op, args, kwargs))
+                key_parts.append((_SCALAR_TENSOR, a.dtype))
+            elif type(a) in _AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
                 key_parts.append((type(a), a))
-        if not dtensor_positions:
+            else:
+                key_parts.append(a)
+        if mesh is None:
             raise AssertionError(f"{op} reached the DTensor dispatcher without a DTensor argument")
         if REGISTRY.version != self._registry_version:
             self._cache.clear()
@@ -122,54 +142,78 @@ class Dispatcher:
         hit = decision is not None
         if decision is None:
             self.misses += 1
-            decision = self._decide(op, leaves, shape, list(kwargs), dtensor_positions)
+            decision = self._decide(op, leaves, shape, list(kwargs), positions)
             if key is not None:
+                if len(self._cache) >= _CACHE_LIMIT:  # decisions pin their meshes (and worlds)
+                    self._cache.clear()
                 self._cache[key] = decision
         else:
             self.hits += 1
-        specs = [leaves[i]._spec for i in dtensor_positions]
-        if STATE.listening:
-            with op_scope(str(op)):
-                if STATE.verbose:
-                    _log_decision(op, specs, decision, hit)
-                local_leaves = self._localize(leaves, dtensor_positions, decision, verbose=STATE.verbose)
+
+        local_leaves = list(leaves)
+        for i in positions:
+            local_leaves[i] = leaves[i]._local_tensor
+        if decision.moves:
+            if STATE.listening:
+                with op_scope(str(op)):
+                    if STATE.verbose:
+                        _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+                    self._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
+            else:
+                self._move_inputs(leaves, local_leaves, positions, decision, verbose=False)
+        elif STATE.verbose:
+            _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+        if shape:
+            local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
         else:
-            local_leaves = self._localize(leaves, dtensor_positions, decision, verbose=False)
-        mesh = specs[0].mesh
-        local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
+            local_args, local_kwargs = local_leaves, {}
         if decision.local_args is not None:
-            placements, meta = decision.output_placements[0], decision.output_metas[0]
-            assert placements is not None and meta is not None  # ops with a local_args hook return a tensor
-            out_spec = DTensorSpec(mesh, placements, meta)
-            local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, out_spec)
+            local_args, local_kwargs = decision.local_args(local_args, local_kwargs, decision, decision.output_specs[0])
         if decision.local_impl is not None:
-            input_specs = tuple(s.with_placements(p) for s, p in zip(specs, decision.input_placements))
-            output_specs = tuple(
-                None if p is None or m is None else DTensorSpec(mesh, p, m)
-                for p, m in zip(decision.output_placements, decision.output_metas)
-            )
-            result = decision.local_impl(op, local_args, local_kwargs, input_specs, output_specs)
+            input_specs = tuple(leaves[i]._spec.with_placements(p) for i, p in zip(positions, decision.input_placements))
+            result = decision.local_impl(op, local_args, local_kwargs, input_specs, decision.output_specs)
         else:
             result = op(*local_args, **local_kwargs)
         if decision.fallback:
             return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:
             return args[0]
-        return _wrap(result, decision, mesh)
+        output_specs = decision.output_specs
+        if type(result) is torch.Tensor:
+            first = output_specs[0]
+            return result if first is None else DTensor(result, first, requires_grad=False)
+        if isinstance(result, (tuple, list)):
+            return type(result)(
+                r if out is None or not isinstance(r, torch.Tensor) else DTensor(r, out, requires_grad=False)
+                for r, out in zip(result, output_specs)
+            )
+        return result
 
     @staticmethod
-    def _replicate_plain_tensors(op: Any, leaves: list[Any]) -> list[Any]:
+    def _move_inputs(
+        leaves: list[Any], local_leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool
+    ) -> None:
+        """Redistribute the inputs the decision moves, in place in ``local_leaves``."""
+        for n in decision.moves:
+            dt = leaves[positions[n]]
+            want = decision.input_placements[n]
+            if verbose:
+                log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
+            local_leaves[positions[n]] = redistribute_local(dt._local_tensor, dt._spec, want)
+
+    @staticmethod
+    def _replicate_plain_tensors(
+        op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Plain (non 0-d) tensors become replicated DTensors where that is known to be safe.
 
         Inside backward they come from autograd's own formulas (``zeros``, ``ones``), which are
         the same on every rank; elsewhere only inside ``implicit_replication()``.
         """
-        from spmd.tensor.dtensor import DTensor
-
+        leaves, shape = _flatten(args, kwargs)
         mesh = next(a._spec.mesh for a in leaves if isinstance(a, DTensor))
         allowed = _implicit.enabled or torch._C._current_graph_task_id() != -1
         replicate = (Replicate(),) * mesh.ndim
-        converted = list(leaves)
         for i, a in enumerate(leaves):
             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0:
                 if not allowed:
@@ -180,26 +224,12 @@ class Dispatcher:
                         "or wrap the call in spmd.tensor.dispatch.implicit_replication() if every rank holds "
                         "the same tensor"
                     )
-                converted[i] = DTensor(a, DTensorSpec(mesh, replicate, TensorMeta.of(a)), requires_grad=False)
-        return converted
-
-    @staticmethod
-    def _localize(leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool) -> list[Any]:
-        """Leaves with every DTensor replaced by its local shard in the placements the op needs."""
-        local_leaves = list(leaves)
-        for n, i in enumerate(positions):
-            dt = leaves[i]
-            want = decision.input_placements[n]
-            local = dt._local_tensor
-            if want != dt._spec.placements:
-                if verbose:
-                    log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
-                local = redistribute_local(local, dt._spec, want)
-            local_leaves[i] = local
-        return local_leaves
+                leaves[i] = DTensor(a, DTensorSpec(mesh, replicate, TensorMeta.of(a)), requires_grad=False)
+        new_args, new_kwargs = _unflatten(leaves, shape, list(kwargs))
+        return tuple(new_args), new_kwargs
 
     def _decide(
-        self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
+        self, op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
     ) -> Decision:
         if self.fallback and self.propagator.registry.rule_for(op) is None:
             refusal = fallback_refusal(op)
@@ -213,13 +243,23 @@ class Dispatcher:
                 f"{refusal}; register a rule in spmd/tensor/ops/ or run the op on .to_local() tensors"
             )
         try:
-            return self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+            decision = self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
         except ShardingError:
             # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
             # written back into self's shard.
             if self.fallback and is_inplace(op) and fallback_refusal(op) is None:
                 return self._fallback_decision(op, leaves, positions, why="cannot keep self's placement")
             raise
+        input_specs: list[DTensorSpec] = [leaves[i]._spec for i in positions]
+        mesh = input_specs[0].mesh
+        return dataclasses.replace(
+            decision,
+            moves=tuple(n for n, s in enumerate(input_specs) if decision.input_placements[n] != s.placements),
+            output_specs=tuple(
+                None if p is None or m is None else DTensorSpec(mesh, p, m)
+                for p, m in zip(decision.output_placements, decision.output_metas)
+            ),
+        )
 
     def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int], *, why: str) -> Decision:
         mesh = leaves[positions[0]]._spec.mesh
@@ -233,6 +273,7 @@ class Dispatcher:
                 why,
             )
         return Decision(
+            moves=tuple(n for n, i in enumerate(positions) if leaves[i]._spec.placements != replicate),
             input_placements=(replicate,) * len(positions),
             output_placements=(),
             output_metas=(),
@@ -243,7 +284,7 @@ class Dispatcher:
         )
 
     def _make_call(
-        self, op: Any, leaves: list[Any], shape: list[Any], kwarg_names: list[str], positions: list[int]
+        self, op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
     ) -> OpCall:
         meta_leaves = list(leaves)
         spec_leaves = list(leaves)
@@ -267,8 +308,6 @@ class Dispatcher:
 
     def make_call(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
         """What the rule for ``op`` sees of this call (used by ``explain``)."""
-        from spmd.tensor.dtensor import DTensor
-
         leaves, shape = _flatten(args, kwargs)
         positions = [i for i, a in enumerate(leaves) if isinstance(a, DTensor)]
         if not positions:
@@ -294,12 +333,6 @@ def implicit_replication() -> Iterator[None]:
         _implicit.enabled = was
 
 
-def _has_plain_tensor(leaves: list[Any]) -> bool:
-    from spmd.tensor.dtensor import DTensor
-
-    return any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0 for a in leaves)
-
-
 def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], local_args: list[Any], mesh: Any) -> Any:
     """Wrap a fallback's whole-tensor results as Replicate; an in-place op writes back into self."""
     from spmd.tensor.dtensor import DTensor
@@ -320,21 +353,6 @@ def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], loc
     if isinstance(result, (tuple, list)):
         return type(result)(one(r) for r in result)
     return one(result)
-
-
-def _wrap(result: Any, decision: Decision, mesh: Any) -> Any:
-    from spmd.tensor.dtensor import DTensor
-
-    def one(local: Any, index: int) -> Any:
-        placements = decision.output_placements[index]
-        meta = decision.output_metas[index]
-        if placements is None or meta is None or not isinstance(local, torch.Tensor):
-            return local
-        return DTensor(local, DTensorSpec(mesh, placements, meta), requires_grad=False)
-
-    if isinstance(result, (tuple, list)):
-        return type(result)(one(r, i) for i, r in enumerate(result))
-    return one(result, 0)
 
 
 def _log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:

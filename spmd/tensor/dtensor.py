@@ -59,9 +59,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        from spmd.tensor.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatcher().dispatch(func, args, kwargs or {})
 
     # ----- metadata ---------------------------------------------------------------------------------
     @property
@@ -130,6 +128,19 @@ class DTensor(torch.Tensor):
         """The whole global tensor on every rank, as a plain tensor."""
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
+
+
+def _dispatcher() -> Any:
+    """The dispatcher, imported on first use (it imports this module)."""
+    global _DISPATCHER
+    if _DISPATCHER is None:
+        from spmd.tensor.dispatch import DISPATCHER
+
+        _DISPATCHER = DISPATCHER
+    return _DISPATCHER
+
+
+_DISPATCHER: Any = None
 
 
 def _infer_global_shape(

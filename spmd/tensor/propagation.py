@@ -42,6 +42,10 @@ class Decision:
     """No rule: inputs were replicated and the op ran on whole tensors (outputs are Replicate)."""
     local_impl: Any = None
     """The op's ``LocalImpl`` hook, if it computes its local result itself."""
+    moves: tuple[int, ...] = ()
+    """Indices of the inputs whose placements must change (filled in by the dispatcher)."""
+    output_specs: tuple[DTensorSpec | None, ...] = ()
+    """Ready-made output specs (filled in by the dispatcher; the mesh compares by value)."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:

@@ -183,7 +183,10 @@ def _all_gather(local: torch.Tensor, comm: Any, dim: int, full: int) -> torch.Te
     sizes = shard_sizes(full, comm.size)
     stacked = comm.all_gather(_pad(local, dim, sizes[0]))
     if sizes[-1] == sizes[0]:
-        return stacked.movedim(0, dim).flatten(dim, dim + 1)
+        if dim == 0:
+            return stacked.flatten(0, 1)
+        # movedim makes a strided view; later local views (x.view) need a contiguous shard
+        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
     return torch.cat([stacked[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
 
 

@@ -1,11 +1,14 @@
 """Op families; importing this package registers every rule in the one registry."""
 
 from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
+    indexing,
     matrix,
+    nn,
     pointwise,
     random_ops,
     reductions,
     reductions_scan,
+    shape_ops,
     tensor_ops,
     views,
 )

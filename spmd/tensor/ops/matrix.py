@@ -1,37 +1,214 @@
-"""Matrix products and the transposes their backward passes use.
+"""Matrix products, attention, and the transposes their backward passes use.
 
-  mm:  R x R -> R;  S(0) x R -> S(0);  R x S(1) -> S(1);  S(1) x S(0) -> P(sum);
-       P x R -> P;  R x P -> P
+Products are written as einsum signatures; each index letter gives one candidate per mesh dim:
+  a letter the output keeps:   shard it wherever it occurs -> S(its output dim)
+  a contracted letter:         shard it on every operand   -> P(sum)
+  plus R x ... x R -> R, and one operand P(sum|avg) with the others R -> the same P.
+  mm "mk,kn->mn":  S(0) x R -> S(0);  R x S(1) -> S(1);  S(1) x S(0) -> P(sum)
+  bmm "bmk,bkn->bmn", mv "mk,k->m", dot "k,k->"
+  addmm / addmv / baddbmm:  the product's candidates; bias follows the output (broadcast dims R,
+       P output -> P bias, so the bias is added once)
+  attention (q, k, v):  batch/heads S(d) on all -> S(d) (grouped kv heads only if they split
+       evenly);  q S(L), k, v R -> S(L) without a causal mask;  v P -> out P;  each shard only
+       where no rank's piece would be empty;  backward: the same, dk and dv P(sum) for q S(L)
   t / transpose(a, b):  S(a) -> S(b), S(b) -> S(a), other placements unchanged
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
-from spmd.tensor.placement import Partial, Placement, Shard
+from spmd.tensor.placement import Partial, Placement, Shard, shard_sizes
+from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 SUM = Partial("sum")
 
 
+def contraction_candidates(inputs: Sequence[str], output: str) -> list[OpStrategy]:
+    """Candidates of a product given as einsum letters, e.g. ``(("bmk", "bkn"), "bmn")`` for bmm."""
+    letters = list(dict.fromkeys(output + "".join(inputs)))
+    candidates = [OpStrategy((R,) * len(inputs), (R,))]
+    for letter in letters:
+        placements = tuple(Shard(s.index(letter)) if letter in s else R for s in inputs)
+        out: Placement = Shard(output.index(letter)) if letter in output else SUM
+        candidates.append(OpStrategy(placements, (out,)))
+    candidates += [
+        OpStrategy(tuple(p if j == i else R for j in range(len(inputs))), (p,))
+        for i in range(len(inputs))
+        for p in LINEAR_PARTIALS
+    ]
+    return candidates
+
+
+def broadcast_placement(shape: Sequence[int], out_shape: Sequence[int], out: Placement) -> Placement:
+    """The placement an operand broadcast to ``out_shape`` needs so the op matches output ``out``.
+
+    Shard(d) of the output becomes Shard of the matching operand dim, or R where the operand is
+    broadcast along d; a partial output needs the operand partial too (added once, not per rank).
+    """
+    if isinstance(out, Shard):
+        in_dim = out.dim - (len(out_shape) - len(shape))
+        if in_dim < 0 or (shape[in_dim] == 1 and out_shape[out.dim] != 1):
+            return R
+        return Shard(in_dim)
+    return out
+
+
+def _with_bias(call: OpCall, product: list[OpStrategy]) -> list[OpStrategy]:
+    """``bias + product``: prefix each product candidate with the bias placement it needs."""
+    bias = call.args[0]
+    meta = call.output_metas[0]
+    assert meta is not None
+    if not isinstance(bias, DTensorSpec):  # a scalar bias cannot follow a partial output
+        return [c for c in product if not isinstance(c.outputs[0], Partial)]
+    out_shape = meta.shape
+    candidates = []
+    for c in product:
+        out = c.outputs[0]
+        assert out is not None
+        candidates.append(OpStrategy((broadcast_placement(bias.shape, out_shape, out), *c.inputs), c.outputs))
+    return candidates
+
+
 @register_rule(aten.mm.default)
 def mm_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """R x R -> R; S(0) x R -> S(0); R x S(1) -> S(1); S(1) x S(0) -> P(sum); P x R -> P; R x P -> P."""
-    return [
-        OpStrategy((R, R), (R,)),
-        OpStrategy((Shard(0), R), (Shard(0),)),
-        OpStrategy((R, Shard(1)), (Shard(1),)),
-        OpStrategy((Shard(1), Shard(0)), (SUM,)),
-        *(OpStrategy((p, R), (p,)) for p in LINEAR_PARTIALS),
-        *(OpStrategy((R, p), (p,)) for p in LINEAR_PARTIALS),
+    """mm: S(0) x R -> S(0); R x S(1) -> S(1); S(1) x S(0) -> P(sum); P x R -> P; R x P -> P."""
+    return contraction_candidates(("mk", "kn"), "mn")
+
+
+@register_rule(aten.bmm.default)
+def bmm_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """bmm: S(0) x S(0) -> S(0); S(1) x R -> S(1); R x S(2) -> S(2); S(2) x S(1) -> P(sum); P x R -> P."""
+    return contraction_candidates(("bmk", "bkn"), "bmn")
+
+
+@register_rule(aten.mv.default)
+def mv_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """mv: S(0) x R -> S(0); S(1) x S(0) -> P(sum); P x R -> P; R x P -> P."""
+    return contraction_candidates(("mk", "k"), "m")
+
+
+@register_rule(aten.dot.default)
+def dot_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """dot: S(0) x S(0) -> P(sum); P x R -> P; R x P -> P."""
+    return contraction_candidates(("k", "k"), "")
+
+
+@register_rule(aten.addmm.default, aten.addmm_.default)
+def addmm_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """addmm: mm's candidates; bias S(0) for output S(1) (1-d bias), R where broadcast, P for P."""
+    return _with_bias(call, contraction_candidates(("mk", "kn"), "mn"))
+
+
+@register_rule(aten.addmv.default, aten.addmv_.default)
+def addmv_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """addmv: mv's candidates; bias S(0) for output S(0), P for P."""
+    return _with_bias(call, contraction_candidates(("mk", "k"), "m"))
+
+
+@register_rule(aten.baddbmm.default, aten.baddbmm_.default)
+def baddbmm_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """baddbmm: bmm's candidates; bias follows the output (R where broadcast, P for P)."""
+    return _with_bias(call, contraction_candidates(("bmk", "bkn"), "bmn"))
+
+
+# ----- attention -----------------------------------------------------------------------------------
+def no_empty_shards(size: int, mesh_shape: Sequence[int]) -> bool:
+    """True if cutting ``size`` by any subset of the mesh dims (in order) leaves every rank a piece.
+
+    The CPU flash-attention kernels crash (SIGFPE) on a zero-length heads or sequence dim, and
+    torch.chunk leaves trailing ranks empty (6 over 4 -> 2, 2, 2, 0).
+    """
+    for subset in itertools.product([False, True], repeat=len(mesh_shape)):
+        pieces = [size]
+        for used, n in zip(subset, mesh_shape):
+            if used:
+                pieces = [s for piece in pieces for s in shard_sizes(piece, n)]
+        if min(pieces) == 0:
+            return False
+    return True
+
+
+def _grouped_heads_split_evenly(q_heads: int, k_heads: int, v_heads: int, mesh_shape: Sequence[int]) -> bool:
+    """Grouped-query attention (q head h reads kv head h // group) survives a heads split that is
+    even for the kv heads: every rank then holds whole groups, in order.
+    """
+    return k_heads == v_heads and q_heads % k_heads == 0 and k_heads % math.prod(mesh_shape) == 0
+
+
+def _attention_candidates(
+    call: OpCall, specs: Sequence[DTensorSpec], mask: DTensorSpec | None, *, backward: bool
+) -> list[OpStrategy]:
+    """Shared by the forward ``(q, k, v[, mask]) -> (out, lse)`` and the backward
+    ``(grad, q, k, v, out, lse[, mask]) -> (grad_q, grad_k, grad_v)``.
+    """
+    dropout_p = float(call.arg(6 if backward else 3, "dropout_p", 0.0))
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"{call.op} with dropout_p={dropout_p} draws random numbers, which DTensor does not support "
+            "yet; use dropout_p=0.0 (e.g. call the model in eval mode)"
+        )
+    is_causal = bool(call.arg(7 if backward else 4, "is_causal", False))
+    q, k, v = specs[1:4] if backward else specs[:3]
+    ndim = q.ndim
+    n_out = 3 if backward else 2
+    score_shape = (*q.shape[:-1], k.shape[-2])
+
+    def one(per_input: Sequence[Placement], outs: Sequence[Placement], mask_as: Placement) -> OpStrategy:
+        ins = tuple(per_input) + ((broadcast_placement(mask.shape, score_shape, mask_as),) if mask else ())
+        return OpStrategy(ins, tuple(outs))
+
+    n_in = 6 if backward else 3
+    candidates = [one((R,) * n_in, (R,) * n_out, R)]
+    mesh_shape = q.mesh.shape
+    # Batch dims (batch, heads): every tensor has them at the same index, and nothing mixes across them.
+    candidates += [
+        one((Shard(d),) * n_in, (Shard(d),) * n_out, Shard(d))
+        for d in range(ndim - 2)
+        if (q.shape[d] == k.shape[d] == v.shape[d] and no_empty_shards(q.shape[d], mesh_shape))
+        or (d == ndim - 3 and _grouped_heads_split_evenly(q.shape[d], k.shape[d], v.shape[d], mesh_shape))
     ]
+    # Query rows are independent unless a causal mask ties row i to key positions (global indices).
+    seq = ndim - 2
+    if not is_causal and no_empty_shards(q.shape[seq], mesh_shape):
+        if backward:  # grad, q, k, v, out, lse: lse has the query rows at the same index too
+            ins = (Shard(seq), Shard(seq), R, R, Shard(seq), Shard(seq))
+            candidates.append(one(ins, (Shard(seq), SUM, SUM), Shard(seq)))
+        else:
+            candidates.append(one((Shard(seq), R, R), (Shard(seq), Shard(seq)), Shard(seq)))
+    # Linear in v (forward) and in the incoming gradient (backward); the mask stays replicated.
+    for p in LINEAR_PARTIALS:
+        if backward:
+            candidates.append(one((p, R, R, R, R, R), (p, p, p), R))
+        else:
+            candidates.append(one((R, R, p), (p, R), R))
+    return candidates
 
 
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def sdpa_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """attention: q,k,v S(batch|heads) -> out, lse S(same); q S(L), k,v R -> S(L) unless causal; v P -> P."""
+    mask = call.kwargs.get("attn_mask")
+    return _attention_candidates(call, call.input_specs, mask if isinstance(mask, DTensorSpec) else None,
+                                 backward=False)
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def sdpa_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """attention backward: all S(batch|heads) -> grads S(same); q rows S(L) -> dq S(L), dk, dv P(sum)."""
+    mask = call.kwargs.get("attn_mask")
+    return _attention_candidates(call, call.input_specs, mask if isinstance(mask, DTensorSpec) else None,
+                                 backward=True)
+
+
+# ----- transposes ----------------------------------------------------------------------------------
 def _swap(p: Placement, a: int, b: int) -> Placement:
     if isinstance(p, Shard) and p.dim in (a, b):
         return Shard(b if p.dim == a else a)

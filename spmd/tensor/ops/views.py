@@ -1,7 +1,14 @@
-"""Shape ops that keep every element where it is: view, reshape, squeeze, unsqueeze.
+"""Shape ops that keep every element where it is: view, reshape, flatten, unflatten, squeeze, unsqueeze.
 
-  S(d) -> S(o) when input dim d survives as output dim o (same size, same elements before it);
-  a sharded dim that is split or merged must be replicated first. R -> R; P -> P.
+Input and output shapes are cut into groups: runs of dims whose sizes multiply to the same number
+(size-1 dims are left out, they hold no shard). For a group whose first input dim is d and first
+output dim is o:
+  S(d) -> S(o)  when d and o have the same size (the dim survives the view unchanged);
+  S(d) -> S(o)  when both sizes divide by the mesh size (flatten / unflatten: each rank's block is
+                then one contiguous run of the group, exactly the block S(o) gives it);
+  any other sharded dim is replicated first.  R -> R;  P -> P (a view moves no value).
+  squeeze:  S(d) -> S(d') unless d is a squeezed dim some rank could hold a 1-long piece of (the
+            local squeeze would drop it); d' = d less the removed dims before it.
 """
 
 from __future__ import annotations
@@ -12,50 +19,128 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.ops.common import PARTIALS, R
+from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
+__all__ = ["view_groups", "view_shard_map", "local_view_size", "local_view_args", "never_one_long"]
+
 aten = torch.ops.aten
 
 
-def surviving_dims(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
-    """Input dims that appear unchanged in the output: ``{input dim: output dim}``."""
-    out_prefix: dict[tuple[int, int], int] = {}
-    running = 1
-    for o, size in enumerate(out_shape):
-        out_prefix.setdefault((running, size), o)
-        running *= size
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Smallest runs of input and output dims with equal products: ``[(input dims, output dims)]``.
+
+    ``(2, 3, 4) -> (6, 4)`` gives ``[([0, 1], [0]), ([2], [1])]``; size-1 dims appear in no group.
+    Both shapes must have the same non-zero number of elements.
+    """
+    ins = [d for d, s in enumerate(in_shape) if s != 1]
+    outs = [o for o, s in enumerate(out_shape) if s != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(ins) and j < len(outs):
+        group_in, group_out = [ins[i]], [outs[j]]
+        in_product, out_product = in_shape[ins[i]], out_shape[outs[j]]
+        i, j = i + 1, j + 1
+        while in_product != out_product:
+            if in_product < out_product:
+                group_in.append(ins[i])
+                in_product *= in_shape[ins[i]]
+                i += 1
+            else:
+                group_out.append(outs[j])
+                out_product *= out_shape[outs[j]]
+                j += 1
+        groups.append((group_in, group_out))
+    return groups
+
+
+def view_shard_map(in_shape: Sequence[int], out_shape: Sequence[int], mesh_size: int) -> dict[int, int]:
+    """Input dims whose shard survives the view: ``{input dim: output dim}`` (see the module doc)."""
+    if math.prod(in_shape) == 0:
+        return {}
     mapping: dict[int, int] = {}
-    running = 1
-    for d, size in enumerate(in_shape):
-        out_dim = out_prefix.get((running, size))
-        if out_dim is not None and size != 1:
-            mapping[d] = out_dim
-        running *= size
+    for group_in, group_out in view_groups(in_shape, out_shape):
+        d, o = group_in[0], group_out[0]
+        same = in_shape[d] == out_shape[o]
+        if same or (in_shape[d] % mesh_size == 0 and out_shape[o] % mesh_size == 0):
+            mapping[d] = o
     return mapping
 
 
 def local_view_size(
     args: list[Any], kwargs: dict[str, Any], decision: Any, out_spec: DTensorSpec
 ) -> tuple[list[Any], dict[str, Any]]:
-    """A view's size argument is global; the local call needs this rank's output shape."""
+    """A view's size argument is global (``-1`` allowed); the local call needs this rank's output shape."""
     local_shape, _ = local_shape_and_offset(out_spec.shape, out_spec.mesh, out_spec.placements)
     return [args[0], list(local_shape), *args[2:]], kwargs
 
 
-@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, local_args=local_view_size)
-@register_rule(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def local_view_args(
+    args: list[Any], kwargs: dict[str, Any], decision: Any, out_spec: DTensorSpec
+) -> tuple[list[Any], dict[str, Any]]:
+    """``local_view_size``, and a contiguous copy of the local input if it cannot be viewed so.
+
+    A rank's piece may be laid out differently from the global tensor (a gather along a later dim
+    fills its buffer in another order), so a view that is legal globally can need a copy locally.
+    """
+    args, kwargs = local_view_size(args, kwargs, decision, out_spec)
+    local = args[0]
+    try:
+        local.view(args[1])
+    except RuntimeError:
+        args[0] = local.contiguous()
+    return args, kwargs
+
+
+@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, local_args=local_view_args)
 def view_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """S(d) -> S(o) for dims that survive the reshape; R -> R; P -> P."""
-    in_shape = call.input_specs[0].shape
+    """S(d) -> S(o) for a dim that survives, or leads a flatten/unflatten group evenly; R -> R; P -> P."""
+    spec = call.input_specs[0]
     meta = call.output_metas[0]
     assert meta is not None
-    if math.prod(in_shape) == 0:
-        return [OpStrategy((R,), (R,))]
-    mapping = surviving_dims(in_shape, meta.shape)
+    mapping = view_shard_map(spec.shape, meta.shape, spec.mesh.size())
     candidates = [OpStrategy((R,), (R,))]
     candidates += [OpStrategy((Shard(d),), (Shard(o),)) for d, o in mapping.items()]
+    candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
+    return candidates
+
+
+@register_rule(aten.unsqueeze.default)
+def unsqueeze_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) before the new dim, S(d + 1) from it on; R -> R; P -> P."""
+    ndim = call.input_specs[0].ndim
+    new = normalize_dim(call.arg(1, "dim"), ndim + 1)
+    candidates = [OpStrategy((R,), (R,))]
+    candidates += [OpStrategy((Shard(d),), (Shard(d if d < new else d + 1),)) for d in range(ndim)]
+    candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
+    return candidates
+
+
+def never_one_long(size: int, mesh_size: int) -> bool:
+    """No rank's piece of a dim of ``size`` is 1 long, however the mesh dims cut it (conservative)."""
+    return size % mesh_size == 0 and size // mesh_size != 1
+
+
+@register_rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d less removed dims before it); a named dim of size > 1 keeps S only if no piece is 1 long."""
+    spec = call.input_specs[0]
+    shape = spec.shape
+    dims_arg = call.arg(1, "dim", None)
+    if call.op is aten.squeeze.default:
+        named = set(range(len(shape)))
+    elif isinstance(dims_arg, (list, tuple)):
+        named = {normalize_dim(int(d), len(shape)) for d in dims_arg}
+    else:
+        named = {normalize_dim(int(dims_arg), len(shape))}
+    removed = [d for d in named if d < len(shape) and shape[d] == 1]
+    mesh_size = spec.mesh.size()
+    candidates = [OpStrategy((R,), (R,))]
+    for d, size in enumerate(shape):
+        if size == 1 or (d in named and not never_one_long(size, mesh_size)):
+            continue
+        candidates.append(OpStrategy((Shard(d),), (Shard(d - sum(1 for r in removed if r < d)),)))
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
     return candidates

@@ -1,0 +1,143 @@
+"""Ops that rearrange whole dims: permute, split, unbind, cat, stack, flip, roll, repeat, tril, triu.
+
+None of them combines values, so every partial passes through (a zero written on every rank is
+zero under each reduction). A shard survives on a dim the op does not cut, reverse, shift or copy:
+  permute(p):           S(p[o]) -> S(o)
+  split, chunk:         S(d) -> S(d) on every piece for d != split dim; the split dim is replicated
+  unbind(dim):          S(d) -> S(d) before dim, S(d - 1) after it; dim itself is replicated
+  cat(dim):             S(d) x ... x S(d) -> S(d) for d != dim;  P x ... x P -> P
+  stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
+  flip, roll(dims):     S(d) -> S(d) for d not flipped / rolled (roll without dims replicates all)
+  repeat(r):            S(d) -> S(d + new leading dims) where r[d] == 1
+  tril, triu(k):        S(d) -> S(d) for every d, the last two included: the local call shifts the
+                        diagonal by the shard's row offset minus its column offset
+expand lives in reductions.py (it is the backward of every reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
+from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
+
+aten = torch.ops.aten
+
+
+def _keep_dims(ndim: int, out_dim: dict[int, int], num_outputs: int = 1) -> list[OpStrategy]:
+    """R -> R; S(d) -> S(out_dim[d]) for the dims in ``out_dim``; P -> P; the same on every output."""
+    candidates = [OpStrategy((R,), (R,) * num_outputs)]
+    candidates += [OpStrategy((Shard(d),), (Shard(o),) * num_outputs) for d, o in out_dim.items()]
+    candidates += [OpStrategy((p,), (p,) * num_outputs) for p in PARTIALS]
+    return candidates
+
+
+def _dims_list(value: Any, ndim: int) -> list[int]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [normalize_dim(int(d), ndim) for d in items]
+
+
+@register_rule(aten.permute.default)
+def permute_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(p[o]) -> S(o); R -> R; P -> P."""
+    ndim = call.input_specs[0].ndim
+    order = _dims_list(call.arg(1, "dims"), ndim)
+    return _keep_dims(ndim, {d: o for o, d in enumerate(order)})
+
+
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
+               aten.unsafe_split_with_sizes.default)
+def split_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) on every piece for d != dim; the split dim is replicated first; P -> P."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(call.arg(2, "dim", 0), ndim)
+    return _keep_dims(ndim, {d: d for d in range(ndim) if d != dim}, len(call.output_metas))
+
+
+@register_rule(aten.unbind.int)
+def unbind_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d < dim, S(d - 1) for d > dim; dim is replicated first; P -> P."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(call.arg(1, "dim", 0), ndim)
+    out_dim = {d: d if d < dim else d - 1 for d in range(ndim) if d != dim}
+    return _keep_dims(ndim, out_dim, len(call.output_metas))
+
+
+def _joined(specs: Sequence[DTensorSpec], ndim: int, dims: dict[int, int]) -> list[OpStrategy]:
+    """cat / stack: every input takes one placement; legacy empty 1-d inputs of cat stay replicated."""
+
+    def each(p: Placement) -> tuple[Placement, ...]:
+        return tuple(R if isinstance(p, Shard) and s.ndim != ndim else p for s in specs)
+
+    candidates = [OpStrategy((R,) * len(specs), (R,))]
+    candidates += [OpStrategy(each(Shard(d)), (Shard(o),)) for d, o in dims.items()]
+    candidates += [OpStrategy(each(p), (p,)) for p in PARTIALS]
+    return candidates
+
+
+@register_rule(aten.cat.default)
+def cat_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x ... x S(d) -> S(d) for d != dim; the cat dim is replicated first; P x ... x P -> P."""
+    meta = call.output_metas[0]
+    assert meta is not None
+    ndim = len(meta.shape)
+    dim = normalize_dim(call.arg(1, "dim", 0), ndim)
+    return _joined(call.input_specs, ndim, {d: d for d in range(ndim) if d != dim})
+
+
+@register_rule(aten.stack.default)
+def stack_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x ... x S(d) -> S(d) for d < dim, S(d + 1) from dim on; P x ... x P -> P."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(call.arg(1, "dim", 0), ndim + 1)
+    return _joined(call.input_specs, ndim, {d: d if d < dim else d + 1 for d in range(ndim)})
+
+
+@register_rule(aten.flip.default)
+def flip_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d not flipped; a flipped dim is replicated first; P -> P."""
+    ndim = call.input_specs[0].ndim
+    flipped = _dims_list(call.arg(1, "dims"), ndim)
+    return _keep_dims(ndim, {d: d for d in range(ndim) if d not in flipped})
+
+
+@register_rule(aten.roll.default)
+def roll_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d not rolled; without dims the flattened tensor rolls, so all dims replicate."""
+    ndim = call.input_specs[0].ndim
+    dims_arg = call.arg(2, "dims", [])
+    rolled = _dims_list(dims_arg, ndim) if dims_arg not in (None, [], ()) else list(range(ndim))
+    return _keep_dims(ndim, {d: d for d in range(ndim) if d not in rolled})
+
+
+@register_rule(aten.repeat.default)
+def repeat_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d + new leading dims) where the repeat count of d is 1; others replicate; P -> P."""
+    ndim = call.input_specs[0].ndim
+    repeats = list(call.arg(1, "repeats"))
+    lead = len(repeats) - ndim
+    return _keep_dims(ndim, {d: lead + d for d in range(ndim) if repeats[lead + d] == 1})
+
+
+def local_diagonal(
+    args: list[Any], kwargs: dict[str, Any], decision: Any, out_spec: DTensorSpec
+) -> tuple[list[Any], dict[str, Any]]:
+    """tril/triu on a shard: global (i, j) is local (i - row offset, j - column offset), so the
+    local diagonal is ``k + row offset - column offset``."""
+    _, offset = local_shape_and_offset(out_spec.shape, out_spec.mesh, out_spec.placements)
+    diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+    rest = {k: v for k, v in kwargs.items() if k != "diagonal"}
+    return [args[0], int(diagonal) + offset[-2] - offset[-1]], rest
+
+
+@register_rule(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default,
+               local_args=local_diagonal)
+def triangle_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for every dim (the diagonal moves with the shard's offset); R -> R; P -> P."""
+    ndim = call.input_specs[0].ndim
+    return _keep_dims(ndim, {d: d for d in range(ndim)})

@@ -1,0 +1,294 @@
+"""Indexing ops on DTensors: slice, select, index_select, advanced indexing, gather, scatter, where,
+masked_fill; results and gradients equal plain torch, and lookups keep shards where they can."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.placement import Placement
+from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing.layouts import make_dtensor
+
+R = Replicate()
+MESHES = [(4,), (2, 2)]
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    """The same values on every rank thread (the global generator is shared between them)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def randint(high: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def as_dtensor(full: torch.Tensor, mesh, placements: Sequence[Placement]) -> DTensor:
+    """Float tensors become leaves whose .grad we can read (genuinely partial ones included)."""
+    if any(isinstance(p, Partial) for p in placements):
+        x = make_dtensor(full, mesh, placements, requires_grad=full.is_floating_point())
+        if full.is_floating_point():
+            x.retain_grad()
+        return x
+    x = distribute_tensor(full, mesh, placements)
+    return x.requires_grad_() if full.is_floating_point() else x
+
+
+def check(
+    fn: Callable[..., object],
+    mesh,
+    fulls: Sequence[torch.Tensor],
+    layouts: Sequence[Sequence[Placement]],
+    *,
+    backward: bool = True,
+) -> DTensor:
+    """fn on DTensors equals fn on plain tensors, forward and backward (float inputs only)."""
+    backward = backward and not any(isinstance(p, Partial) and not p.is_linear for ps in layouts for p in ps)
+    xs = [as_dtensor(f, mesh, p) for f, p in zip(fulls, layouts)]
+    refs = [f.clone().requires_grad_() if f.is_floating_point() else f for f in fulls]
+    out, expected = fn(*xs), fn(*refs)
+    assert isinstance(out, DTensor) and isinstance(expected, torch.Tensor)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    if backward:
+        weight = randn(*expected.shape, seed=7)
+        (out.full_tensor() * weight).sum().backward()
+        (expected * weight).sum().backward()
+        for x, ref in zip(xs, refs):
+            if ref.is_floating_point() and ref.grad is not None:
+                torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
+    return out
+
+
+def layouts_for(mesh_ndim: int, tensor_ndim: int, *, partial: bool = False) -> list[tuple[Placement, ...]]:
+    options = [R, *(Shard(d) for d in range(tensor_ndim)), *((Partial(),) if partial else ())]
+    return list(itertools.product(options, repeat=mesh_ndim))
+
+
+def layout_tuples(mesh_ndim: int, tensor_ndim: int, count: int) -> list[tuple[tuple[Placement, ...], ...]]:
+    """Layouts for ``count`` inputs: every input laid out alike, plus a fixed spread of mixed ones."""
+    layouts = layouts_for(mesh_ndim, tensor_ndim)
+    alike = [(layout,) * count for layout in layouts]
+    mixed = list(itertools.product(layouts, repeat=count))
+    return alike + mixed[:: max(1, len(mixed) // 24)]
+
+
+class SliceSelectTest(DTensorTestBase):
+    @with_comms
+    def test_slice_narrow_select_forward_and_backward(self) -> None:
+        ops = [
+            lambda x: x[1:4],
+            lambda x: x[:, 1:5:2],
+            lambda x: x[:, -2:],
+            lambda x: x[:],
+            lambda x: x.narrow(1, 2, 3),
+            lambda x: x[2],
+            lambda x: x[:, -1],
+            lambda x: x.select(1, 0),
+            lambda x: x[..., None, 1:3],
+        ]
+
+        def one(mesh_shape, op) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout in layouts_for(mesh.ndim, 2, partial=True):
+                check(op, mesh, [randn(7, 6)], [layout])
+
+        self.run_subtests({"mesh_shape": MESHES, "op": ops}, one)
+
+    @with_comms
+    def test_slicing_another_dim_keeps_the_shard(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(7, 6, 5)
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            sliced, picked, whole = x[:, 1:4], x[:, :, 2], x[0:7]
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual([t.placements for t in (sliced, picked, whole)], [(Shard(0),)] * 3)
+        y = distribute_tensor(full, mesh, [Shard(2)])
+        self.assertEqual(y[1].placements, (Shard(1),))  # select drops dim 0: the shard moves down
+        torch.testing.assert_close(y[1].full_tensor(), full[1])
+        torch.testing.assert_close(x[3].full_tensor(), full[3])
+
+
+class LookupTest(DTensorTestBase):
+    @with_comms
+    def test_index_select_and_its_backward(self) -> None:
+        def one(mesh_shape, dim) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            index = torch.tensor([4, 0, 2, 2, 6, 1])
+            full = randn(7, 6) if dim == 0 else randn(6, 7)
+            for layout, index_layout in itertools.product(layouts_for(mesh.ndim, 2, partial=True),
+                                                          layouts_for(mesh.ndim, 1)):
+                check(lambda x, i: x.index_select(dim, i), mesh, [full, index], [layout, index_layout])
+
+        self.run_subtests({"mesh_shape": MESHES, "dim": [0, 1]}, one)
+
+    @with_comms
+    def test_sharded_index_gives_a_sharded_lookup_without_gathering_the_table(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        table_full, index_full = randn(10, 6), randint(10, 9)
+        table = distribute_tensor(table_full, mesh, [R]).requires_grad_()
+        index = distribute_tensor(index_full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            rows = table.index_select(0, index)
+            embedded = table[index]
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual((rows.placements, embedded.placements), ((Shard(0),), (Shard(0),)))
+        torch.testing.assert_close(rows.full_tensor(), table_full[index_full])
+        torch.testing.assert_close(embedded.full_tensor(), table_full[index_full])
+        with CommDebugMode() as comm:
+            (rows.sum() + embedded.sum()).backward()
+        # each rank adds its rows' gradient into a zero table: a pending sum, nothing moved yet
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(table.grad.placements, (Partial(),))
+        expected = torch.zeros(10, 6, dtype=torch.float64).index_add_(0, index_full, torch.ones(9, 6, dtype=torch.float64)) * 2
+        torch.testing.assert_close(table.grad.full_tensor(), expected)
+
+    @with_comms
+    def test_advanced_indexing_forward_and_backward(self) -> None:
+        i, j = torch.tensor([3, 0, 3, 1]), torch.tensor([2, 2, 0, 1])
+        ops = [
+            (lambda x, a: x[a], [i]),
+            (lambda x, a: x[:, a], [j]),
+            (lambda x, a, b: x[a, b], [i, j]),
+            (lambda x, a, b: x[a, :, b], [i, j]),  # not adjacent: the index dims come first
+            (lambda x, a: x[..., a], [j]),
+            (lambda x, a: x[1:, a], [j]),
+        ]
+
+        def one(mesh_shape, case) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            op, indices = case
+            index_layouts = [(R,) * mesh.ndim, (Shard(0),) * mesh.ndim]
+            for k, layout in enumerate(layouts_for(mesh.ndim, 3, partial=True)):
+                index_layout = index_layouts[k % 2]  # alternate: both index layouts meet every kind of self
+                check(op, mesh, [randn(5, 4, 3), *indices], [layout, *([index_layout] * len(indices))])
+
+        self.run_subtests({"mesh_shape": MESHES, "case": ops}, one)
+
+    @with_comms
+    def test_index_put_and_index_add(self) -> None:
+        def one(mesh_shape, accumulate) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            # duplicates only where they add up: which write wins a plain index_put is unspecified
+            index = torch.tensor([4, 0, 2, 0]) if accumulate else torch.tensor([4, 0, 2, 5])
+            for a, b in layout_tuples(mesh.ndim, 2, 2):
+                for index_layout in [(R,) * mesh.ndim, (Shard(0),) * mesh.ndim]:
+                    check(lambda x, i, v: x.index_put((i,), v, accumulate=accumulate), mesh,
+                          [randn(7, 6), index, randn(4, 6, seed=1)], [a, index_layout, b],
+                          backward=accumulate)
+                    check(lambda x, i, v: x.index_add(0, i, v, alpha=2), mesh,
+                          [randn(7, 6), index, randn(4, 6, seed=1)], [a, index_layout, b])
+
+        self.run_subtests({"mesh_shape": MESHES, "accumulate": [True, False]}, one)
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(7, 6)
+        x = distribute_tensor(full.clone(), mesh, [Shard(1)])
+        idx = distribute_tensor(torch.tensor([1, 5]), mesh, [R])
+        x[idx] = distribute_tensor(torch.ones(2, 6, dtype=torch.float64), mesh, [Shard(1)])
+        full[torch.tensor([1, 5])] = 1.0
+        self.assertEqual(x.placements, (Shard(1),))
+        torch.testing.assert_close(x.full_tensor(), full)
+
+    @with_comms
+    def test_gather_and_scatter(self) -> None:
+        index_full = randint(6, 7, 4, seed=3)  # along dim 1 of a (7, 6) tensor
+        unique = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(r))[:4] for r in range(7)])
+
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            partial = (Partial(),) * mesh.ndim
+            for a, i in [*layout_tuples(mesh.ndim, 2, 2), *((partial, i) for i in layouts_for(mesh.ndim, 2))]:
+                check(lambda x, ix: x.gather(1, ix), mesh, [randn(7, 6), index_full], [a, i])
+                check(lambda x, ix: x.scatter(1, ix, 0.0), mesh, [randn(7, 6), unique], [a, i])
+            for a, i, s in layout_tuples(mesh.ndim, 2, 3):
+                check(lambda x, ix, src: x.scatter(1, ix, src), mesh,
+                      [randn(7, 6), unique, randn(7, 4, seed=1)], [a, i, s])
+                check(lambda x, ix, src: x.scatter_add(1, ix, src), mesh,
+                      [randn(7, 6), index_full, randn(7, 4, seed=1)], [a, i, s])
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+
+    @with_comms
+    def test_gather_backward_with_a_sharded_index_leaves_a_partial_sum(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, index_full = randn(5, 6), randint(6, 5, 8, seed=2)
+        x = distribute_tensor(full, mesh, [R]).requires_grad_()
+        index = distribute_tensor(index_full, mesh, [Shard(1)])
+        with CommDebugMode() as comm:
+            out = x.gather(1, index)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (Shard(1),))
+        out.sum().backward()
+        ref = full.clone().requires_grad_()
+        ref.gather(1, index_full).sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
+
+
+class SelectPointwiseTest(DTensorTestBase):
+    @with_comms
+    def test_where_and_masked_fill(self) -> None:
+        ops = [
+            lambda x, y: torch.where(x > 0, x, y),
+            lambda x, y: torch.where(y > 0, x * 2, y),
+            lambda x, y: torch.where(x > 0, x, 0.5),
+            lambda x, y: x.masked_fill(y > 0, 0.0),
+            lambda x, y: x.masked_fill(y > 0, -3.0),
+        ]
+
+        def one(mesh_shape, op) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for a, b in layout_tuples(mesh.ndim, 2, 2):
+                check(op, mesh, [randn(7, 6), randn(7, 6, seed=1)], [a, b])
+            check(lambda x, m: x.masked_fill(m > 0, 1.0), mesh, [randn(7, 6), randn(6, seed=2)],
+                  [(Shard(0),) * mesh.ndim, (R,) * mesh.ndim])  # the mask broadcasts
+
+        self.run_subtests({"mesh_shape": MESHES, "op": ops}, one)
+
+    @with_comms
+    def test_partials_survive_only_where_the_fill_keeps_the_sum(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, other = randn(7, 6), randn(7, 6, seed=1)
+        mask = distribute_tensor(other > 0, mesh, [R])
+
+        def one(reduce_op) -> None:
+            x = make_dtensor(full, mesh, [Partial(reduce_op)])
+            y = make_dtensor(other, mesh, [Partial(reduce_op)])
+            with CommDebugMode() as comm:
+                zero_filled = x.masked_fill(mask, 0.0)
+                chosen = torch.where(mask, x, y)
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual((zero_filled.placements, chosen.placements), ((Partial(reduce_op),),) * 2)
+            filled = x.masked_fill(mask, 2.0)
+            if reduce_op == "sum":  # 2.0 on every rank would add up to 8.0
+                self.assertNotEqual(filled.placements, (Partial("sum"),))
+            torch.testing.assert_close(zero_filled.full_tensor(), full.masked_fill(other > 0, 0.0))
+            torch.testing.assert_close(filled.full_tensor(), full.masked_fill(other > 0, 2.0))
+            torch.testing.assert_close(chosen.full_tensor(), torch.where(other > 0, full, other))
+
+        self.run_subtests({"reduce_op": ["sum", "avg", "max", "min"]}, one)
+
+
+class ThreeDMeshTest(DTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @with_comms
+    def test_lookups_on_a_2x2x2_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2, 2))
+        index = torch.tensor([4, 0, 2, 2, 6, 1, 3, 3])
+        gather_index = randint(6, 7, 8, seed=4)
+        layouts = [(Shard(0), Shard(1), R), (Shard(1), Shard(1), Partial()), (R, Shard(0), Shard(1))]
+        index_layouts = [(R, R, R), (Shard(0), R, Shard(0))]
+
+        def one(layout, index_layout) -> None:
+            check(lambda x, i: x.index_select(0, i), mesh, [randn(7, 6), index], [layout, index_layout])
+            check(lambda x, i: x[i], mesh, [randn(7, 6), index], [layout, index_layout])
+            check(lambda x, i: x.gather(1, i), mesh, [randn(7, 6), gather_index], [layout, index_layout])
+            check(lambda x: x[2:6, 1], mesh, [randn(7, 6)], [layout])
+
+        self.run_subtests({"layout": layouts, "index_layout": index_layouts}, one)

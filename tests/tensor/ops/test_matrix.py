@@ -1,0 +1,334 @@
+"""Matrix products and attention on DTensors: values and gradients equal plain torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.ops import REGISTRY
+from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing.layouts import make_dtensor
+
+aten = torch.ops.aten
+R, S0, S1, S2, S3 = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3)
+SUM = Partial("sum")
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    """The same values on every rank thread (the global generator is shared between them)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def check_against_torch(
+    fn: Callable[..., Any], fulls: Sequence[torch.Tensor], mesh: Any, layouts: Sequence[Sequence[Any]]
+) -> DTensor:
+    """``fn`` on DTensors laid out as ``layouts`` equals ``fn`` on ``fulls``, forward and backward."""
+    leaves = [make_dtensor(f, mesh, p, requires_grad=True) for f, p in zip(fulls, layouts)]
+    for leaf in leaves:
+        leaf.retain_grad()
+    plain = [f.detach().clone().requires_grad_() for f in fulls]
+    out = fn(*leaves)
+    expected = fn(*plain)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    weight = randn(*expected.shape, seed=99)
+    (out.full_tensor() * weight).sum().backward()
+    (expected * weight).sum().backward()
+    for leaf, ref in zip(leaves, plain):
+        assert leaf.grad is not None and ref.grad is not None
+        torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
+    return out
+
+
+class MatrixOpsTest(DTensorTestBase):
+    @with_comms
+    def test_mm_uneven(self) -> None:
+        a, b = randn(7, 5), randn(5, 6, seed=1)
+        for mesh_shape in [(4,), (2, 2)]:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            layouts = [[R], [S0], [S1]] if mesh.ndim == 1 else [[S0, S1], [R, S0], [S1, R]]
+            self.run_subtests({"la": layouts, "lb": layouts},
+                              lambda m, la, lb: check_against_torch(torch.mm, [a, b], m, [la, lb]), mesh)
+
+    @with_comms
+    def test_bmm_layouts(self) -> None:
+        a, b = randn(5, 7, 6), randn(5, 6, 3, seed=1)
+        mesh = init_device_mesh("cpu", (4,))
+        layouts = [[R], [S0], [S1], [S2]]
+        self.run_subtests({"la": layouts, "lb": layouts},
+                          lambda la, lb: check_against_torch(torch.bmm, [a, b], mesh, [la, lb]))
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        self.run_subtests(
+            {"la": [[S0, S1], [S2, S0], [S1, S2]], "lb": [[S0, R], [S1, S2], [S0, S0]]},
+            lambda la, lb: check_against_torch(torch.bmm, [a, b], mesh2, [la, lb]),
+        )
+
+    @with_comms
+    def test_bmm_moves_no_data_on_its_strategies(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = randn(8, 7, 6), randn(8, 6, 3, seed=1)
+        cases = [([S0], [S0], (S0,)), ([S1], [R], (S1,)), ([R], [S2], (S2,)), ([S2], [S1], (SUM,))]
+        for la, lb, expected in cases:
+            x, y = distribute_tensor(a, mesh, la), distribute_tensor(b, mesh, lb)
+            with CommDebugMode() as comm:
+                out = torch.bmm(x, y)
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(out.placements, expected)
+            torch.testing.assert_close(out.full_tensor(), a @ b)
+        # Backward of batch-sharded bmm stays batch-sharded: no collective either.
+        x = distribute_tensor(a, mesh, [S0]).requires_grad_()
+        y = distribute_tensor(b, mesh, [S0]).requires_grad_()
+        out = torch.bmm(x, y)
+        grad = distribute_tensor(randn(8, 7, 3, seed=2), mesh, [S0])
+        with CommDebugMode() as comm:
+            gx, gy = torch.autograd.grad(out, (x, y), grad)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual((gx.placements, gy.placements), ((S0,), (S0,)))
+
+    @with_comms
+    def test_partial_operands(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = randn(5, 7, 6), randn(5, 6, 3, seed=1)
+        for la, lb in [([SUM], [R]), ([R], [Partial("avg")]), ([SUM], [S0])]:
+            x, y = make_dtensor(a, mesh, la), make_dtensor(b, mesh, lb)
+            torch.testing.assert_close(torch.bmm(x, y).full_tensor(), a @ b)
+        p, r = make_dtensor(randn(7, 5), mesh, [SUM]), distribute_tensor(randn(5, 6, seed=1), mesh, [R])
+        with CommDebugMode() as comm:
+            out = torch.mm(p, r)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (SUM,))
+        # a product of two partial sums is not a partial sum: one side is reduced first
+        q = make_dtensor(randn(5, 6, seed=1), mesh, [SUM])
+        torch.testing.assert_close(torch.mm(p, q).full_tensor(), randn(7, 5) @ randn(5, 6, seed=1))
+
+    @with_comms
+    def test_addmm_bias_follows_output(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        m1, m2 = randn(7, 5), randn(5, 6, seed=1)
+        bias_1d, bias_2d, bias_col = randn(6, seed=2), randn(7, 6, seed=3), randn(7, 1, seed=4)
+        layouts = [[R], [S0], [S1]]
+
+        def check(bias: torch.Tensor, lb: Any, l1: Any, l2: Any) -> None:
+            fn = lambda b, x, y: torch.addmm(b, x, y, beta=0.5, alpha=2.0)  # noqa: E731
+            check_against_torch(fn, [bias, m1, m2], mesh, [lb, l1, l2])
+
+        self.run_subtests({"bias": [bias_1d, bias_2d, bias_col], "lb": [[R], [S0]], "l1": layouts, "l2": layouts},
+                          check)
+        # a partial operand: the bias becomes partial too, so the reduction counts it once
+        self.run_subtests({"bias": [bias_1d, bias_2d], "lb": [[R], [SUM]], "l1": [[SUM], [Partial("avg")]],
+                           "l2": [[R]]}, check)
+        # Output S(1): a 1-d bias is cut as S(0) locally; output P(sum): the bias is added once.
+        x1, x2 = distribute_tensor(m1, mesh, [R]), distribute_tensor(m2, mesh, [S1])
+        b = distribute_tensor(bias_1d, mesh, [R])
+        with CommDebugMode() as comm:
+            out = torch.addmm(b, x1, x2)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (S1,))
+        x1, x2 = distribute_tensor(m1, mesh, [S1]), distribute_tensor(m2, mesh, [S0])
+        with CommDebugMode() as comm:
+            out = torch.addmm(b, x1, x2)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (SUM,))
+        torch.testing.assert_close(out.full_tensor(), torch.addmm(bias_1d, m1, m2))
+
+    @with_comms
+    def test_addmm_on_2d_mesh_and_in_place(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        m1, m2, bias = randn(7, 5), randn(5, 6, seed=1), randn(6, seed=2)
+        self.run_subtests(
+            {"l1": [[S0, S1], [S1, S1], [R, S0]], "l2": [[R, S0], [S0, S1], [S1, R]]},
+            lambda l1, l2: check_against_torch(torch.addmm, [bias, m1, m2], mesh, [[R, R], l1, l2]),
+        )
+        target = randn(7, 6, seed=3)
+        for layout in [[S0, S1], [R, R], [S1, S0]]:
+            self_ = distribute_tensor(target, mesh, layout)
+            self_.addmm_(distribute_tensor(m1, mesh, [S0, R]), distribute_tensor(m2, mesh, [R, S1]))
+            self.assertEqual(self_.placements, tuple(layout))
+            torch.testing.assert_close(self_.full_tensor(), torch.addmm(target, m1, m2))
+
+    @with_comms
+    def test_baddbmm_broadcast_bias(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        b1, b2 = randn(5, 7, 6), randn(5, 6, 3, seed=1)
+        layouts = [[R], [S0], [S1], [S2]]
+
+        def check(bias: torch.Tensor, l1: Any, l2: Any) -> None:
+            fn = lambda b, x, y: torch.baddbmm(b, x, y, beta=0.5, alpha=2.0)  # noqa: E731
+            check_against_torch(fn, [bias, b1, b2], mesh, [[R], l1, l2])
+
+        self.run_subtests({"bias": [randn(5, 7, 3, seed=2), randn(3, seed=3), randn(7, 1, seed=4)],
+                           "l1": layouts, "l2": layouts}, check)
+        bias = distribute_tensor(randn(3, seed=3), mesh, [R])
+        x, y = distribute_tensor(b1, mesh, [S2]), distribute_tensor(b2, mesh, [S1])
+        with CommDebugMode() as comm:
+            out = torch.baddbmm(bias, x, y)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (SUM,))
+        torch.testing.assert_close(out.full_tensor(), torch.baddbmm(randn(3, seed=3), b1, b2))
+
+    @with_comms
+    def test_dot_mv_addmv(self) -> None:
+        a, v, u, bias = randn(7, 5), randn(5, seed=1), randn(5, seed=2), randn(7, seed=3)
+        for mesh_shape in [(4,), (2, 2)]:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            vec = [[R], [S0]] if mesh.ndim == 1 else [[S0, S0], [R, S0]]
+            mat = [[R], [S0], [S1]] if mesh.ndim == 1 else [[S0, S1], [S1, R], [S0, S0]]
+            self.run_subtests({"lv": vec, "lu": vec},
+                              lambda m, lv, lu: check_against_torch(torch.dot, [v, u], m, [lv, lu]), mesh)
+            self.run_subtests({"la": mat, "lv": vec},
+                              lambda m, la, lv: check_against_torch(torch.mv, [a, v], m, [la, lv]), mesh)
+            self.run_subtests(
+                {"la": mat, "lv": vec},
+                lambda m, la, lv: check_against_torch(torch.addmv, [bias, a, v], m, [[R] * m.ndim, la, lv]),
+                mesh,
+            )
+        mesh = init_device_mesh("cpu", (4,))
+        x, y = distribute_tensor(v, mesh, [S0]), distribute_tensor(u, mesh, [S0])
+        with CommDebugMode() as comm:
+            out = torch.dot(x, y)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (SUM,))
+        torch.testing.assert_close(out.full_tensor(), torch.dot(v, u))
+
+    @with_comms
+    def test_matmul_and_linear_decompositions(self) -> None:
+        """matmul and linear are CompositeImplicit: they reach us as view/expand/mm/bmm/addmm."""
+        mesh = init_device_mesh("cpu", (4,))
+        cases = [
+            ((7, 3, 5), (5, 6), [[S0], [R]]),
+            ((7, 3, 5), (5, 6), [[S2], [S0]]),
+            ((7, 3, 5), (7, 5, 6), [[S0], [S0]]),
+            ((2, 3, 4, 5), (2, 3, 5, 6), [[S1], [S1]]),
+            ((7, 5), (5,), [[S0], [R]]),
+            ((5,), (5,), [[S0], [S0]]),
+        ]
+        self.run_subtests(
+            {"case": cases},
+            lambda case: check_against_torch(torch.matmul, [randn(*case[0]), randn(*case[1], seed=1)], mesh, case[2]),
+        )
+        x3, w, b = randn(7, 3, 5), randn(6, 5, seed=1), randn(6, seed=2)
+        self.run_subtests(
+            {"lx": [[R], [S0], [S2]], "lw": [[R], [S0], [S1]]},
+            lambda lx, lw: check_against_torch(F.linear, [x3, w, b], mesh, [lx, lw, [R]]),
+        )
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        check_against_torch(F.linear, [randn(7, 5), w, b], mesh2, [[S0, R], [R, S0], [R, R]])
+        # Column-parallel linear: weight rows sharded -> output columns sharded, no communication.
+        x, weight = distribute_tensor(randn(7, 5), mesh, [R]), distribute_tensor(w, mesh, [S0])
+        bias = distribute_tensor(b, mesh, [S0])
+        with CommDebugMode() as comm:
+            out = F.linear(x, weight, bias)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (S1,))
+
+    @with_comms
+    def test_einsum(self) -> None:
+        if REGISTRY.rule_for(aten.permute.default) is None:
+            self.skipTest("einsum decomposes through aten.permute, which has no rule yet")
+        mesh = init_device_mesh("cpu", (4,))
+        cases = [
+            ("bij,bjk->bik", (5, 3, 4), (5, 4, 6), [[S0], [S0]]),
+            ("bhqd,bhkd->bhqk", (2, 5, 3, 4), (2, 5, 6, 4), [[S1], [S1]]),
+            ("ij,jk->ik", (7, 5), (5, 6), [[S1], [S0]]),
+        ]
+        self.run_subtests(
+            {"case": cases},
+            lambda case: check_against_torch(
+                lambda a, b: torch.einsum(case[0], a, b), [randn(*case[1]), randn(*case[2], seed=1)], mesh, case[3]
+            ),
+        )
+
+
+class AttentionTest(DTensorTestBase):
+    @with_comms
+    def test_sdpa_layouts(self) -> None:
+        q, k, v = randn(2, 5, 6, 8), randn(2, 5, 7, 8, seed=1), randn(2, 5, 7, 8, seed=2)
+        mesh = init_device_mesh("cpu", (4,))
+        layouts = [
+            [[S1], [S1], [S1]],  # heads (5 over 4: uneven)
+            [[S0], [S0], [S0]],  # batch
+            [[S2], [R], [R]],  # query rows
+            [[R], [R], [SUM]],  # v partial
+            [[S3], [S2], [R]],  # nothing matches: redistributed
+        ]
+        self.run_subtests(
+            {"layout": layouts, "is_causal": [False, True]},
+            lambda layout, is_causal: check_against_torch(
+                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), [q, k, v], mesh, layout
+            ),
+        )
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        self.run_subtests(
+            {"layout": [[[S0, S1]] * 3, [[S1, S2], [S1, R], [S1, R]]], "is_causal": [False, True]},
+            lambda layout, is_causal: check_against_torch(
+                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), [q, k, v], mesh2, layout
+            ),
+        )
+
+    @with_comms
+    def test_sdpa_grouped_query_heads(self) -> None:
+        q, k, v = randn(2, 8, 6, 8), randn(2, 4, 7, 8, seed=1), randn(2, 4, 7, 8, seed=2)
+        fn = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, enable_gqa=True)  # noqa: E731
+        mesh = init_device_mesh("cpu", (4,))
+        out = check_against_torch(fn, [q, k, v], mesh, [[S1], [S1], [S1]])
+        self.assertEqual(out.placements, (S1,))
+        # 2 kv heads over 4 ranks cannot keep whole groups together: the heads are gathered
+        check_against_torch(fn, [q, k[:, :2], v[:, :2]], mesh, [[S1], [S1], [S1]])
+        check_against_torch(fn, [q, k, v], init_device_mesh("cpu", (2, 2)), [[S0, S1], [S0, S1], [S0, S1]])
+
+    @with_comms
+    def test_sdpa_with_mask(self) -> None:
+        q, k, v = randn(2, 4, 6, 8), randn(2, 4, 7, 8, seed=1), randn(2, 4, 7, 8, seed=2)
+        mask = randn(6, 7, seed=3)
+        mesh = init_device_mesh("cpu", (4,))
+        fn = lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m)  # noqa: E731
+        self.run_subtests(
+            {"layout": [[[S1], [S1], [S1], [R]], [[S2], [R], [R], [S0]], [[S0], [S0], [S0], [S1]]]},
+            lambda layout: check_against_torch(fn, [q, k, v, mask], mesh, layout),
+        )
+
+    @with_comms
+    def test_sdpa_heads_sharded_moves_no_data(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        q, k, v = (distribute_tensor(randn(2, 8, 6, 8, seed=s), mesh, [S1]).requires_grad_() for s in range(3))
+        with CommDebugMode() as comm:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (S1,))
+        grad = distribute_tensor(randn(2, 8, 6, 8, seed=4), mesh, [S1])
+        with CommDebugMode() as comm:
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual([g.placements for g in grads], [(S1,)] * 3)
+        # query rows sharded: dq stays sharded, dk and dv are partial sums over the rows
+        q, k, v = (distribute_tensor(randn(2, 3, 8, 8, seed=s), mesh, [S2 if s == 0 else R]).requires_grad_()
+                   for s in range(3))
+        out = F.scaled_dot_product_attention(q, k, v)
+        self.assertEqual(out.placements, (S2,))
+        grads = torch.autograd.grad(out, (q, k, v), distribute_tensor(randn(2, 3, 8, 8, seed=4), mesh, [S2]))
+        self.assertEqual([g.placements for g in grads], [(S2,), (SUM,), (SUM,)])
+
+
+class ThreeDimMeshTest(DTensorTestBase):
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @with_comms
+    def test_products_and_attention_on_2x2x2(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2, 2))
+        a, b, bias = randn(4, 7, 6), randn(4, 6, 5, seed=1), randn(5, seed=2)
+        check_against_torch(torch.baddbmm, [bias, a, b], mesh, [[R, R, R], [S0, S2, S1], [S0, S1, R]])
+        check_against_torch(torch.bmm, [a, b], mesh, [[S1, S0, S2], [R, S0, S1]])
+        # every dim of 8 splits over any set of the mesh dims without leaving a rank empty
+        q, k, v = randn(8, 8, 8, 4), randn(8, 8, 6, 4, seed=1), randn(8, 8, 6, 4, seed=2)
+        out = check_against_torch(F.scaled_dot_product_attention, [q, k, v], mesh,
+                                  [[S0, S1, S2], [S0, S1, R], [S0, S1, R]])
+        self.assertEqual(out.placements, (S0, S1, S2))
+        # 2 batches and 4 heads could leave a rank empty, which the CPU kernel cannot take: gathered
+        check_against_torch(F.scaled_dot_product_attention, [q[:2, :4], k[:2, :4], v[:2, :4]], mesh,
+                            [[S0, S1, S2], [S0, S1, R], [S0, S1, R]])
