@@ -1,0 +1,117 @@
+"""parallelize_module: apply a plan of parallel styles to a module and its submodules.
+
+A plan is one style (for the module itself) or a dict from submodule names to styles. A name is
+a dotted path whose segments may be fnmatch patterns, matched one segment per module level:
+``layers.*.attn.q_proj`` names the ``q_proj`` of every layer's ``attn``; ``""`` is the module itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from spmd.tensor import DeviceMesh
+from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
+
+__all__ = ["parallelize_module", "resolve_plan_key"]
+
+Plan = ParallelStyle | Mapping[str, ParallelStyle]
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    parallelize_plan: Plan,
+    *,
+    src_data_rank: int | None = 0,
+) -> nn.Module:
+    """Parallelise ``module`` in place over the 1-d ``device_mesh`` as ``parallelize_plan`` says.
+
+    >>> plan = {"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down": RowwiseParallel()}
+    >>> parallelize_module(model, mesh["tp"], plan)  # doctest: +SKIP
+    """
+    _check_mesh(device_mesh)
+    if isinstance(parallelize_plan, ParallelStyle):
+        _apply_style(parallelize_plan, module, "", "", device_mesh, src_data_rank)
+        return module
+    if not isinstance(parallelize_plan, Mapping):
+        raise TypeError(
+            "parallelize_plan must be a ParallelStyle or a dict of submodule names to ParallelStyles, "
+            f"got {type(parallelize_plan).__name__}"
+        )
+    for key, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_plan[{key!r}] must be a ParallelStyle such as ColwiseParallel(), got {style!r}")
+        matches = resolve_plan_key(module, key)
+        if not matches:
+            raise ValueError(_no_match_message(module, key))
+        for name, submodule in matches:
+            _apply_style(style, submodule, name, key, device_mesh, src_data_rank)
+    return module
+
+
+def resolve_plan_key(module: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, submodule)`` pairs a plan key names, in module order (``""`` is ``module``)."""
+    level: list[tuple[str, nn.Module]] = [("", module)]
+    if key == "":
+        return level
+    for pattern in key.split("."):
+        level = _matching_children(level, pattern)
+    return level
+
+
+def _matching_children(level: list[tuple[str, nn.Module]], pattern: str) -> list[tuple[str, nn.Module]]:
+    return [
+        (f"{prefix}.{name}" if prefix else name, child)
+        for prefix, parent in level
+        for name, child in parent.named_children()
+        if fnmatchcase(name, pattern)
+    ]
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize_module needs a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names
+        hint = f'mesh["{names[-1]}"]' if names else 'a 1-d sub-mesh such as mesh["tp"] (name the mesh dims)'
+        raise ValueError(
+            f"parallelize_module needs a 1-d mesh (the tensor-parallel dim), got the {mesh.ndim}-d {mesh}; "
+            f"pass {hint}"
+        )
+
+
+def _apply_style(
+    style: ParallelStyle, module: nn.Module, name: str, key: str, mesh: DeviceMesh, src_data_rank: int | None
+) -> None:
+    try:
+        style.apply(module, mesh, src_data_rank=src_data_rank)
+    except UnsupportedModuleError as error:
+        where = f"submodule {name!r} (plan key {key!r})" if name else "the root module"
+        raise UnsupportedModuleError(f"{where}: {error}") from None
+
+
+def _no_match_message(module: nn.Module, key: str) -> str:
+    """Which part of ``key`` matched nothing, what was there instead, and similar names."""
+    patterns = key.split(".")
+    level: list[tuple[str, nn.Module]] = [("", module)]
+    failed = patterns[0]
+    for pattern in patterns:
+        following = _matching_children(level, pattern)
+        if not following:
+            failed = pattern
+            break
+        level = following
+    children = sorted({child for _, parent in level for child, _ in parent.named_children()})
+    parents = ", ".join(name or "<root>" for name, _ in level[:4]) + (", ..." if len(level) > 4 else "")
+    shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "") if children else "none"
+    names = [name for name, _ in module.named_modules() if name]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"parallelize_plan key {key!r} matches no submodule of {type(module).__name__}: no child of "
+        f"{parents} matches {failed!r} (their children: {shown}){hint}"
+    )
