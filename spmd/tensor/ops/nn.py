@@ -15,12 +15,13 @@
   embedding (w, idx):             R x S(d) -> S(d); S(1) x R -> S(last) (colwise); P x R -> P
   embedding_dense_backward:       S(d) grad and idx -> P(sum) (not with scale_grad_by_freq);
                                   grad S(last), idx R -> S(1); grad P -> P
-Row-wise embedding (w S(0)) needs a masked local lookup, which a rule cannot express.
+Row-wise embedding (w S(0)) runs a masked local lookup (a ``local_impl``) and yields P(sum).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim
 from spmd.tensor.ops.matrix import no_empty_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
-from spmd.tensor.spec import DTensorSpec
+from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 aten = torch.ops.aten
 SUM = Partial("sum")
@@ -192,13 +193,32 @@ def convolution_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 
 # ----- embedding -----------------------------------------------------------------------------------
-@register_rule(aten.embedding.default)
+def _masked_lookup(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    """Row-wise tables: look up the indices this rank's rows hold, zeros for the rest (P(sum))."""
+    weight_spec = inputs[0]
+    weight, indices = args[0], args[1]
+    if Shard(0) not in weight_spec.placements:
+        return op(*args, **kwargs)
+    _, offset = local_shape_and_offset(weight_spec.shape, weight_spec.mesh, weight_spec.placements)
+    start, rows = offset[0], weight.shape[0]
+    held = (indices >= start) & (indices < start + rows)
+    if rows == 0:
+        return weight.new_zeros((*indices.shape, weight.shape[1]))
+    found = op(weight, torch.where(held, indices - start, 0), *args[2:], **kwargs)
+    return found.masked_fill(~held.unsqueeze(-1), 0)
+
+
+@register_rule(aten.embedding.default, local_impl=_masked_lookup)
 def embedding_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """(w, idx): R x S(d) -> S(d); S(1) x R -> S(idx.ndim); P x R -> P (a lookup selects, never mixes)."""
+    """(w, idx): R x S(d) -> S(d); S(1) x R -> S(idx.ndim); S(0) x R -> P(sum) (masked); P x R -> P."""
     indices = call.input_specs[1]
     candidates = [OpStrategy((R, R), (R,))]
     candidates += [OpStrategy((R, Shard(d)), (Shard(d),)) for d in range(indices.ndim)]
     candidates.append(OpStrategy((Shard(1), R), (Shard(indices.ndim),)))
+    # Row-wise: each rank answers the indices in its rows with zeros elsewhere; summing gives the lookup.
+    candidates.append(OpStrategy((Shard(0), R), (SUM,)))
     candidates += [OpStrategy((p, R), (p,)) for p in PARTIALS]
     return candidates
 

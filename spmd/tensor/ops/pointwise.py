@@ -22,11 +22,16 @@ aten = torch.ops.aten
 UNARY_OPS = [
     "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "exp", "expm1", "floor", "log", "log1p",
     "log2", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "square",
-    "tan", "tanh", "trunc", "gelu", "silu", "bitwise_not", "logical_not",
+    "tan", "tanh", "trunc", "gelu", "silu", "bitwise_not", "logical_not", "isnan", "isinf", "isfinite",
+    "sgn", "signbit", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu",
+    "softplus", "mish", "hardswish", "hardsigmoid", "logit", "erfinv", "digamma", "lgamma", "frac", "deg2rad", "rad2deg",
 ]
 BINARY_NONLINEAR_OPS = [
     "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "logical_and", "logical_or",
-    "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide",
+    "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide", "addcmul", "addcdiv",
+    "lerp", "hypot", "copysign", "xlogy", "fmax", "fmin", "heaviside", "logaddexp", "nextafter",
+    "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward", "mish_backward",
+    "hardswish_backward", "hardsigmoid_backward", "logit_backward",
 ]
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, run_threaded, with_comms
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
@@ -365,3 +365,27 @@ class ThreeDimMeshTest(DTensorTestBase):
         out = check_against_torch(lambda ww, i: F.embedding(i, ww), [weight, indices], mesh,
                                   [[R, S1, S1], [S0, R, R]])
         self.assertEqual(out.placements, (S0, S2, S2))
+
+
+def test_row_wise_embedding_is_a_masked_lookup_with_partial_output() -> None:
+    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))  # 10 rows over 4 ranks: 3,3,3,1
+    indices = torch.tensor([[0, 9, 3], [5, 5, 2]])
+
+    def lookup() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        weight = distribute_tensor(table, mesh, [Shard(0)]).requires_grad_()
+        idx = distribute_tensor(indices, mesh, [Replicate()])
+        with CommDebugMode() as comm:
+            out = torch.nn.functional.embedding(idx, weight)
+        assert comm.get_total_counts() == 0
+        assert out.placements == (Partial(),)
+        values = out.full_tensor()
+        (values * 2).sum().backward()
+        return values, weight.grad.full_tensor()
+
+    reference = table.clone().requires_grad_()
+    expected = torch.nn.functional.embedding(indices, reference)
+    (expected * 2).sum().backward()
+    for values, grad in run_threaded(lookup, 4):
+        torch.testing.assert_close(values, expected)
+        torch.testing.assert_close(grad, reference.grad)
