@@ -16,7 +16,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
 from spmd.tensor.debug.state import STATE, current_op, current_rank_or_none
@@ -84,10 +84,7 @@ class CommDebugMode:
         self._rank = current_rank_or_none()
         self._thread = threading.get_ident()
         add_comm_observer(self._observe)
-        self._handles = [
-            register_module_forward_pre_hook(self._enter_module),
-            register_module_forward_hook(self._leave_module),
-        ]
+        self._handles = [register_module_forward_pre_hook(self._enter_module)]
         STATE.comm_modes += 1
         STATE.refresh()
         return self
@@ -110,14 +107,18 @@ class CommDebugMode:
             return
         name = self._modules.name_of(module)
         self._modules.stack.append(name)
+        # Leave after the module's own forward hooks (a TP style's output redistribute runs in
+        # one): a hook registered now runs after those, while global hooks would run before.
+        handle = module.register_forward_hook(
+            lambda mod, args, outputs: self._leave_module(mod, handle, outputs), always_call=True
+        )
         tensors = [t for t in _tensors(inputs) if t.requires_grad]
         if tensors:
             # The inputs' gradients are the last thing the module's backward produces.
             register_multi_grad_hook(tensors, lambda grads: self._pop_backward(name), mode="any")
 
-    def _leave_module(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
-        if not self._mine():
-            return
+    def _leave_module(self, module: nn.Module, handle: Any, outputs: Any) -> None:
+        handle.remove()
         name = self._modules.name_of(module)
         if self._modules.stack and self._modules.stack[-1] == name:
             self._modules.stack.pop()
