@@ -109,8 +109,11 @@ class CommDebugMode:
         self._modules.stack.append(name)
         # Leave after the module's own forward hooks (a TP style's output redistribute runs in
         # one): a hook registered now runs after those, while global hooks would run before.
-        handle = module.register_forward_hook(
-            lambda mod, args, outputs: self._leave_module(mod, handle, outputs), always_call=True
+        handles: list[Any] = []
+        handles.append(
+            module.register_forward_hook(
+                lambda mod, args, outputs: self._leave_module(mod, handles[0], outputs), always_call=True
+            )
         )
         tensors = [t for t in _tensors(inputs) if t.requires_grad]
         if tensors:
