@@ -87,8 +87,16 @@ def _shard_dims(p: Placement) -> set[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[TransformStep, ...]:
-    """The ordered steps that turn placements ``src`` into ``dst`` (see the module docstring)."""
+def plan_redistribute(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int | None = None
+) -> tuple[TransformStep, ...]:
+    """The ordered steps that turn placements ``src`` into ``dst`` (see the module docstring).
+
+    With the tensor's ``ndim`` known, several partial dims bound for Replicate are reduced
+    through a scatter: the last one reduce-scatters over a tensor dim no placement uses, the
+    others all-reduce the smaller piece, and an all_gather restores it (less traffic than one
+    all_reduce per mesh dim on the whole tensor).
+    """
     if len(src) != len(dst):
         raise ValueError(f"cannot redistribute {len(src)} placements into {len(dst)}")
     n = len(src)
@@ -114,7 +122,13 @@ def plan_redistribute(src: tuple[Placement, ...], dst: tuple[Placement, ...]) ->
             rebuilt[e] and involved[e] & dims for e in range(d)
         )
 
+    to_replicate = [d for d in range(n) if isinstance(src[d], Partial) and isinstance(dst[d], Replicate)]
+    unused = [k for k in range(ndim or 0) if not any(k in dims for dims in involved)]
+    scatter_at = to_replicate[-1] if len(to_replicate) >= 2 and unused else None
     for d in reversed(range(n)):
+        if d == scatter_at:
+            move(d, Shard(unused[0]))  # gathered back in the last pass
+            continue
         reducible = isinstance(dst[d], Replicate) or (isinstance(dst[d], Shard) and safe_target(d, dst[d]))
         if rebuilt[d] and isinstance(cur[d], Partial) and reducible:
             move(d, dst[d])
@@ -249,7 +263,7 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
         return local
     coord = spec.mesh._require_coordinate()
     cur = list(spec.placements)
-    for step in plan_redistribute(spec.placements, dst):
+    for step in plan_redistribute(spec.placements, dst, spec.ndim):
         if STATE.verbose:
             with capture_collectives() as records:
                 local = _run_step(local, step, spec, cur, coord)

@@ -188,3 +188,18 @@ def test_nested_shards_are_unsharded_innermost_first() -> None:
         (0, "S(0)", "R"),
         (1, "R", "S(0)"),
     ]
+
+
+class RedistributeTrafficTest(DTensorTestBase):
+    @with_comms
+    def test_two_partials_to_replicate_move_less_than_two_all_reduces(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+        x = make_dtensor(full, mesh, [Partial(), Partial()])
+        with CommDebugMode() as comm:
+            y = x.redistribute(mesh, [Replicate(), Replicate()])
+        torch.testing.assert_close(y.to_local(), full)
+        nbytes = full.numel() * 4
+        # ring accounting over 2 ranks: an all_reduce of B moves B; scatter and gather move B/2 each
+        self.assertEqual(comm.get_total_bytes(), nbytes // 2 + nbytes // 2 + nbytes // 2)
+        self.assertLess(comm.get_total_bytes(), 2 * nbytes)
