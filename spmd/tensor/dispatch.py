@@ -193,13 +193,20 @@ class Dispatcher:
     def _move_inputs(
         leaves: list[Any], local_leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool
     ) -> None:
-        """Redistribute the inputs the decision moves, in place in ``local_leaves``."""
+        """Redistribute the inputs the decision moves, in place in ``local_leaves``.
+
+        A DTensor passed twice (``addcmul_(g, g)``) is moved once.
+        """
+        done: dict[tuple[int, tuple[Any, ...]], Any] = {}
         for n in decision.moves:
             dt = leaves[positions[n]]
             want = decision.input_placements[n]
-            if verbose:
-                log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
-            local_leaves[positions[n]] = redistribute_local(dt._local_tensor, dt._spec, want)
+            key = (id(dt), want)
+            if key not in done:
+                if verbose:
+                    log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
+                done[key] = redistribute_local(dt._local_tensor, dt._spec, want)
+            local_leaves[positions[n]] = done[key]
 
     @staticmethod
     def _replicate_plain_tensors(

@@ -255,3 +255,16 @@ def test_backward_formulas_that_build_plain_tensors_work() -> None:
     torch.prod(reference, dim=1).sum().backward()
     for grad in run_threaded(prod_grad, 4):
         torch.testing.assert_close(grad, reference.grad)
+
+
+def test_an_input_passed_twice_is_redistributed_once() -> None:
+    def square_of_partial() -> dict:
+        mesh = init_device_mesh("cpu", (4,))
+        g = make_dtensor(randn(8, 4), mesh, [Partial()])
+        acc = distribute_tensor(torch.zeros(8, 4), mesh, [Replicate()])
+        with CommDebugMode() as comm:
+            acc.addcmul_(g, g)
+        torch.testing.assert_close(acc.full_tensor(), randn(8, 4) ** 2)
+        return comm.get_comm_counts()
+
+    assert run_threaded(square_of_partial, 4)[0] == {"all_reduce": 1}

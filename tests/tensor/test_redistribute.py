@@ -194,11 +194,12 @@ class RedistributeTrafficTest(DTensorTestBase):
     @with_comms
     def test_two_partials_to_replicate_move_less_than_two_all_reduces(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
-        full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+        full = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))  # 64 KiB: worth scattering
         x = make_dtensor(full, mesh, [Partial(), Partial()])
         with CommDebugMode() as comm:
             y = x.redistribute(mesh, [Replicate(), Replicate()])
         torch.testing.assert_close(y.to_local(), full)
+        self.assertEqual(comm.get_comm_counts(), {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1})
         nbytes = full.numel() * 4
         # ring accounting over 2 ranks: an all_reduce of B moves B; scatter and gather move B/2 each
         self.assertEqual(comm.get_total_bytes(), nbytes // 2 + nbytes // 2 + nbytes // 2)

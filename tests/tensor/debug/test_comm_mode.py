@@ -45,8 +45,7 @@ class CommDebugModeTest(DTensorTestBase):
         full = seeded(8, 8)
         expected = [
             ([Shard(0), Shard(1)], [Replicate(), Replicate()], {"all_gather": 2}),
-            # two partials: reduce-scatter, all-reduce the half, gather (less than two all_reduces)
-            ([Partial(), Partial()], [Replicate(), Replicate()], {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1}),
+            ([Partial(), Partial()], [Replicate(), Replicate()], {"all_reduce": 2}),  # small: one per dim
             ([Partial(), Shard(0)], [Shard(1), Shard(0)], {"reduce_scatter": 1}),
             ([Shard(0), Replicate()], [Shard(1), Replicate()], {"all_to_all": 1}),
             ([Replicate(), Replicate()], [Shard(0), Partial()], {}),

@@ -1,0 +1,363 @@
+"""Train a small GPT-style decoder with tensor + data parallelism on a 2-d mesh (dp=2, tp=2).
+
+Every parameter is a DTensor on the mesh: replicated over ``dp`` and Megatron-sharded over ``tp``
+(column-wise q/k/v and MLP up, row-wise attention out and MLP down, so heads split across tp). The
+batch is a DTensor sharded over ``dp``, so each data-parallel rank trains on its own slice and the
+gradients of dp-replicated parameters come back ``Partial(sum)`` over dp; a gradient hook lays each
+one out like its parameter, so the reduction is planned from placements, not written as an
+all-reduce loop. The loss is computed vocab-parallel
+(``loss_parallel``) on the tp-sharded logits.
+
+    python examples/train_transformer.py                        # 4 ranks as threads of one process
+    python examples/train_transformer.py --check                # also compare with one device
+    python examples/train_transformer.py --sequence-parallel    # norms on sequence-sharded activations
+    torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
+
+Under torchrun (detected by the RANK env var) the ranks are processes talking over gloo;
+``--dp``/``--tp`` choose the mesh, whose size must equal the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor_parallel import loss_parallel
+from spmd.testing import run_threaded
+
+try:
+    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+except ImportError:  # tqdm is optional: without it, one line per step
+    tqdm = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Model, data and mesh sizes of one run."""
+
+    vocab_size: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 32
+    batch_size: int = 8
+    """Global batch: each dp rank gets batch_size / dp sequences."""
+    steps: int = 20
+    lr: float = 1e-2
+    seed: int = 0
+    dp: int = 2
+    tp: int = 2
+    sequence_parallel: bool = False
+    """Run the norms on activations sharded over tp on the sequence dim."""
+
+
+# ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
+class Attention(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.q, self.k, self.v, self.out = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape  # the global shape, also for a DTensor
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, heads, S, head_dim]
+            return t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = nn.RMSNorm(cfg.d_model), Attention(cfg)
+        self.mlp_norm, self.mlp = nn.RMSNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens) + self.pos_emb
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def build_model(cfg: Config) -> GPT:
+    """The model with weights drawn from a generator of its own (rank threads share torch's global RNG)."""
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("out.weight", "down.weight")) else 0.02
+                param.normal_(0.0, std, generator=gen)
+    return model
+
+
+def batch_at(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of one global batch from a synthetic corpus.
+
+    Each sequence walks a fixed random permutation of the vocabulary from a random start, so the
+    next token is a function of the current one and the loss visibly falls.
+    """
+    successor = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(1234))
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    tokens = torch.empty(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(cfg.vocab_size, (cfg.batch_size,), generator=gen)
+    for i in range(cfg.seq_len):
+        tokens[:, i + 1] = successor[tokens[:, i]]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ----- 2-d parallelism: tensor parallel over "tp", data parallel over "dp" -----------------------
+def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT:
+    """Make every parameter a DTensor [Replicate() over dp, its tp layout] and lay out activations.
+
+    tp layouts: column-wise Linears (q, k, v, up, lm_head) shard the weight's rows (Shard(0)) and
+    produce feature-sharded outputs; row-wise ones (out, down) shard the columns (Shard(1)) and
+    produce Partial(sum) outputs, reduced right there (all_reduce, or reduce_scatter to sequence
+    shards with ``sequence_parallel``). Embeddings and norms are replicated over tp.
+    """
+    activation_tp: Placement = Shard(1) if sequence_parallel else Replicate()
+
+    def shard_parameters(module: nn.Module, tp_layout: Placement) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            placements = (Replicate(), tp_layout)
+            dtensor = nn.Parameter(distribute_tensor(param.detach(), mesh, placements))
+            # The gradient arrives Partial(sum) over dp (each dp rank saw its own slice of the batch);
+            # laying it out like the parameter reduces it once, in backward, instead of once per
+            # optimizer op that reads it (AdamW reads each gradient three times).
+            dtensor.register_hook(  # type: ignore[no-untyped-call]
+                lambda grad, placements=placements: grad.redistribute(mesh, placements)
+            )
+            module.register_parameter(name, dtensor)
+
+    def relayout_input(module: nn.Module, tp_layout: Placement) -> None:
+        module.register_forward_pre_hook(
+            lambda _mod, args: (args[0].redistribute(mesh, [Shard(0), tp_layout]), *args[1:])
+        )
+
+    def relayout_output(module: nn.Module, tp_layout: Placement) -> None:
+        module.register_forward_hook(lambda _mod, _args, out: out.redistribute(mesh, [Shard(0), tp_layout]))
+
+    shard_parameters(model, Replicate())  # pos_emb
+    shard_parameters(model.tok_emb, Replicate())
+    relayout_output(model.tok_emb, activation_tp)
+    for block in model.layers:
+        assert isinstance(block, Block)
+        for norm in (block.attn_norm, block.mlp_norm):
+            shard_parameters(norm, Replicate())
+        for colwise in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up):
+            shard_parameters(colwise, Shard(0))
+        for rowwise in (block.attn.out, block.mlp.down):
+            shard_parameters(rowwise, Shard(1))
+            relayout_output(rowwise, activation_tp)
+        relayout_input(block.attn, Replicate())  # all_gather of the sequence shards under SP
+        relayout_input(block.mlp, Replicate())
+    shard_parameters(model.norm, Replicate())
+    shard_parameters(model.lm_head, Shard(0))  # logits sharded on the vocab: loss_parallel
+    relayout_input(model.lm_head, Replicate())
+    return model
+
+
+# ----- training ----------------------------------------------------------------------------------
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor
+) -> float:
+    """One step of next-token prediction; returns the loss (the mean over the global batch)."""
+    logits = model(inputs)
+    with loss_parallel():
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+
+
+def train(cfg: Config) -> list[float]:
+    """Train on the (dp, tp) mesh of the current world (threads or torchrun processes); the loss per step."""
+    mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    is_rank_0 = mesh.get_rank() == 0
+    model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel)
+    optimizer = make_optimizer(model, cfg)
+
+    def place(batch: torch.Tensor) -> DTensor:
+        # Every rank can build the global batch here; src_data_rank=None keeps its own dp slice, no traffic.
+        return distribute_tensor(batch, mesh, [Shard(0), Replicate()], src_data_rank=None)
+
+    losses: list[float] = []
+    progress = _Progress(cfg, enabled=is_rank_0)
+    comm = CommDebugMode()
+    for step in range(cfg.steps):
+        inputs, targets = batch_at(cfg, step)
+        # Count the collectives of a warm step (step 0 also creates the optimizer state).
+        with comm if step == min(1, cfg.steps - 1) else contextlib.nullcontext():
+            losses.append(train_step(model, optimizer, place(inputs), place(targets)))
+        progress.update(step, losses[-1])
+    progress.close()
+    rows = _memory_rows(model, mesh)
+    if is_rank_0:
+        _print_summary(cfg, rows, comm)
+    return losses
+
+
+def train_single_device(cfg: Config) -> list[float]:
+    """The same steps in plain torch on one device: the oracle for the distributed run."""
+    model = build_model(cfg)
+    optimizer = make_optimizer(model, cfg)
+    return [train_step(model, optimizer, *batch_at(cfg, step)) for step in range(cfg.steps)]
+
+
+# ----- output: progress, memory and collectives --------------------------------------------------
+class _Progress:
+    """A tqdm bar with loss and tokens/s when tqdm is installed, else one line per step (rank 0 only)."""
+
+    def __init__(self, cfg: Config, *, enabled: bool) -> None:
+        self.enabled, self.tokens_per_step, self.steps = enabled, cfg.batch_size * cfg.seq_len, cfg.steps
+        self.start = time.perf_counter()
+        self.bar = tqdm(total=cfg.steps, desc="train", unit="step") if enabled and tqdm is not None else None
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        tokens_per_s = (step + 1) * self.tokens_per_step / (time.perf_counter() - self.start)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            self.bar.update(1)
+        else:
+            print(f"step {step + 1:>3}/{self.steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.enabled:
+            print(f"trained {self.steps} steps in {time.perf_counter() - self.start:.1f} s")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _memory_rows(model: nn.Module, mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """(rank, bytes of its local parameter shards) for every rank, gathered over the mesh."""
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    value: Any = (mesh.get_rank(), local)
+    for d in reversed(range(mesh.ndim)):
+        value = mesh.get_communicator(d).all_gather_object(value)
+    return sorted(_flatten(value))
+
+
+def _flatten(value: Any) -> list[tuple[int, int]]:
+    return [value] if isinstance(value, tuple) else [row for item in value for row in _flatten(item)]
+
+
+def _print_summary(cfg: Config, rows: list[tuple[int, int]], comm: CommDebugMode) -> None:
+    full = sum(p.nbytes for p in GPT(cfg).parameters())
+    print(f"\nparameter memory (full model {_human_bytes(full)})")
+    for rank, local in rows:
+        print(f"  rank {rank}  {_human_bytes(local):>10}  {local / full:6.1%} of the model")
+    counts, sizes = comm.get_comm_counts(), comm.get_comm_bytes()
+    print("\ncollectives per training step (step 2, forward + backward + optimizer)")
+    print(f"  {'collective':<20}{'count':>7}{'bytes':>12}")
+    for kind in sorted(counts):
+        print(f"  {kind:<20}{counts[kind]:>7}{_human_bytes(sizes.get(kind, 0)):>12}")
+    print(f"  {'total':<20}{comm.get_total_counts():>7}{_human_bytes(comm.get_total_bytes()):>12}")
+
+
+# ----- command line ------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--dp", type=int, default=Config.dp, help="data-parallel degree")
+    parser.add_argument("--tp", type=int, default=Config.tp, help="tensor-parallel degree")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--check", action="store_true", help="compare the loss curve with a single-device run")
+    args = parser.parse_args(argv)
+    cfg = Config(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel)
+    return cfg, args.check
+
+
+def check_against_single_device(cfg: Config, losses: Sequence[float]) -> None:
+    """Raise if the distributed loss curve differs from one device's (rtol 1e-4)."""
+    expected = train_single_device(replace(cfg, dp=1, tp=1))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
+    print(f"loss matches single device ({len(expected)} steps, {expected[0]:.4f} -> {expected[-1]:.4f})")
+
+
+def main(argv: Sequence[str] | None = None) -> list[float]:
+    """Run the demo: under torchrun one rank per process, else dp * tp ranks as threads of this process."""
+    cfg, check = parse_args(argv)
+    if "RANK" in os.environ:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size != cfg.dp * cfg.tp:
+            raise ValueError(
+                f"torchrun started {world_size} processes but the mesh is dp={cfg.dp} x tp={cfg.tp}; "
+                f"pass --dp and --tp whose product is {world_size}"
+            )
+        try:
+            losses = train(cfg)
+            if check and dist.get_rank() == 0:
+                check_against_single_device(cfg, losses)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return losses
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the rank threads already keep the cores busy
+    try:
+        losses = run_threaded(train, cfg.dp * cfg.tp, cfg)[0]
+    finally:
+        torch.set_num_threads(threads)
+    if check:
+        check_against_single_device(cfg, losses)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
