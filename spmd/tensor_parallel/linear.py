@@ -3,6 +3,7 @@
   ColwiseParallel  Linear     weight [out, in] S(0), bias S(0)   input R      -> output S(-1)
                    Embedding  weight [num, dim] S(1)             indices R    -> output S(-1)
   RowwiseParallel  Linear     weight [out, in] S(1), bias R      input S(-1)  -> output P(sum) -> R
+                   Embedding  weight [num, dim] S(0)             indices R    -> output P(sum) -> R
 A Colwise Linear followed by a Rowwise one needs no communication between them and one
 all_reduce (or reduce_scatter, for ``output_layouts=Shard(d)``) at the end.
 """
@@ -101,7 +102,8 @@ class ColwiseParallel(ParallelStyle):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RowwiseParallel(ParallelStyle):
-    """Shard an ``nn.Linear`` on its input features; the partial products are summed at the output.
+    """Shard an ``nn.Linear`` on its input features (an ``nn.Embedding`` on its rows); the partial
+    results are summed at the output.
 
     The bias is replicated and added once, to the reduced sum (not once per rank).
     """
@@ -120,10 +122,17 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            raise UnsupportedModuleError(
-                f"{self!r} of nn.Embedding (weight Shard(0), row-wise) needs a masked lookup (each rank "
-                "looks up only the indices in its rows and the results are summed), which spmd's embedding "
-                "rule does not do yet; use ColwiseParallel() for embeddings"
+            # Each rank looks up the indices its rows hold (zeros elsewhere): a P(sum) output.
+            return _apply_linear_style(
+                self,
+                module,
+                device_mesh,
+                parameter_layouts={"weight": Shard(0)},
+                input_layout=Replicate() if self.input_layouts is None else self.input_layouts,
+                desired_input_layout=Replicate(),
+                output_layout=Replicate() if self.output_layouts is None else self.output_layouts,
+                use_local_output=self.use_local_output,
+                src_data_rank=src_data_rank,
             )
         if not isinstance(module, nn.Linear):
             raise UnsupportedModuleError(

@@ -196,11 +196,25 @@ class RowwiseTest(DTensorTestBase):
         # 7 rows: uneven pieces of the reduce_scatter (2, 2, 2, 1 over four ranks)
         self.run_subtests({"case": tp_meshes(), "input_shape": [(7, 8), (2, 4, 8)]}, self.check_sharded_output)
 
+    def check_row_wise_embedding(self, case) -> None:
+        mesh, dp = case
+        reference = seeded(nn.Embedding(10, 8), seed=1)  # 10 rows over 4 ranks: 3, 3, 3, 1
+        model = parallelize_module(copy.deepcopy(reference), mesh, RowwiseParallel())
+        assert model.weight.placements == (Shard(0),)
+        indices = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(dp))
+        with CommDebugMode() as comm:
+            out = model(indices)
+        assert comm.get_comm_counts() == {"all_reduce": 1}
+        expected = reference(indices)
+        torch.testing.assert_close(out, expected)
+        grad_out = randn(*expected.shape, seed=3)
+        (out * grad_out).sum().backward()
+        (expected * grad_out).sum().backward()
+        assert_grads_match(model, reference)
+
     @with_comms
-    def test_embedding_is_not_supported_yet(self) -> None:
-        mesh = init_device_mesh("cpu", (4,))
-        with pytest.raises(NotImplementedError, match=r"masked lookup.*ColwiseParallel"):
-            parallelize_module(nn.Embedding(10, 8), mesh, RowwiseParallel())
+    def test_row_wise_embedding_forward_and_backward(self) -> None:
+        self.run_subtests({"case": tp_meshes()}, self.check_row_wise_embedding)
 
 
 class SequenceParallelTest(DTensorTestBase):
