@@ -79,9 +79,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    import spmd.tensor as ours
     import torch.distributed.tensor as theirs
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    import spmd.tensor as ours
 
     our_mesh = ours.init_device_mesh("cpu", (WORLD,))
     their_mesh = torch_mesh("cpu", (WORLD,))

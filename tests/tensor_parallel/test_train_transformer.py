@@ -101,4 +101,5 @@ def test_torchrun_two_processes_on_gloo() -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     assert "loss matches single device (3 steps" in result.stdout, result.stdout
-    assert result.stdout.count("step   1/3") == 1, "only rank 0 prints"
+    # the progress bar (tqdm, on stderr) or the step lines vary; the summary is printed once, by rank 0
+    assert result.stdout.count("trained 3 steps") == 1, "only rank 0 prints"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
+from typing_extensions import Self
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
 from spmd.tensor.debug.state import STATE, current_op, current_rank_or_none
@@ -79,7 +80,7 @@ class CommDebugMode:
         self._handles: list[Any] = []
 
     # ----- context manager -------------------------------------------------------------------------
-    def __enter__(self) -> CommDebugMode:
+    def __enter__(self) -> Self:
         self.events = []
         self._rank = current_rank_or_none()
         self._thread = threading.get_ident()

@@ -84,7 +84,9 @@ def log_line(text: str, *args: Any) -> None:
         return
     rank = current_rank_or_none()
     prefix = "" if rank is None else f"[rank {rank}] "
-    LOGGER.info(prefix + text, *args)
+    # text is already a %-format string for args; escape the prefix so it is never read as one
+    line_format = prefix.replace("%", "%%") + text
+    LOGGER.info(line_format, *args)
 
 
 @contextlib.contextmanager

@@ -1,18 +1,31 @@
-"""Legacy import path: ``spmd.tensor.parallel`` holds the same objects as ``spmd.tensor_parallel``."""
+"""Deprecated path: ``spmd.tensor.parallel`` holds the same objects as ``spmd.tensor_parallel``.
 
-from spmd.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    UnsupportedModuleError,
-    loss_parallel,
-    parallelize_module,
-    vocab_parallel_cross_entropy,
-)
+Every name is looked up in ``spmd.tensor_parallel`` on access (so both paths give the very same
+objects) and each access warns with ``DeprecationWarning`` naming the new path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spmd.tensor_parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        UnsupportedModuleError,
+        loss_parallel,
+        parallelize_module,
+        vocab_parallel_cross_entropy,
+    )
+
+NEW_PATH = "spmd.tensor_parallel"
 
 __all__ = [
     "parallelize_module",
@@ -27,3 +40,18 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "UnsupportedModuleError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; the new path is {NEW_PATH}")
+    warnings.warn(
+        f"{__name__}.{name} is deprecated; import it from {NEW_PATH} instead (the same object)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(NEW_PATH), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

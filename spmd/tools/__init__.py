@@ -1,0 +1,1 @@
+"""Maintenance tools for the spmd repository (not part of the runtime library)."""
