@@ -77,9 +77,9 @@ class DTensor(torch.Tensor):
         device_mesh: DeviceMesh | None = None,
         placements: Sequence[Placement] | None = None,
         *,
-        run_check: bool = False,
-        shape: torch.Size | Sequence[int] | None = None,
+        shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        run_check: bool = False,
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shard of one global DTensor (no data moves).
 

@@ -198,21 +198,17 @@ class PrepareModuleInputOutput(ParallelStyle):
 
     def styles(self) -> tuple[PrepareModuleInput, PrepareModuleOutput]:
         """The two styles this one combines."""
-        inputs = PrepareModuleInput(
-            input_layouts=self.input_layouts,
-            desired_input_layouts=self.desired_input_layouts,
-            input_kwarg_layouts=self.input_kwarg_layouts,
-            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
-            use_local_output=self.use_local_input,
-        )
-        outputs = PrepareModuleOutput(
-            output_layouts=self.output_layouts,
-            desired_output_layouts=self.desired_output_layouts,
-            use_local_output=self.use_local_output,
-        )
+        input_options = {name: getattr(self, name) for name in _INPUT_OPTIONS}
+        output_options = {name: getattr(self, name) for name in _OUTPUT_OPTIONS}
+        inputs = PrepareModuleInput(**input_options, use_local_output=self.use_local_input)
+        outputs = PrepareModuleOutput(**output_options, use_local_output=self.use_local_output)
         return inputs, outputs
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
         inputs, outputs = self.styles()
         inputs.apply(module, device_mesh, src_data_rank=src_data_rank)
         return outputs.apply(module, device_mesh, src_data_rank=src_data_rank)
+
+
+_INPUT_OPTIONS = ("input_layouts", "desired_input_layouts", "input_kwarg_layouts", "desired_input_kwarg_layouts")
+_OUTPUT_OPTIONS = ("output_layouts", "desired_output_layouts")

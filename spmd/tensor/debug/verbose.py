@@ -64,6 +64,7 @@ def set_verbose(enabled: bool = True, *, ranks: str | Sequence[int] | frozenset[
 
 
 def is_verbose() -> bool:
+    """Whether verbose logging is on."""
     return STATE.verbose
 
 

@@ -10,36 +10,13 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from spmd.tensor_parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        UnsupportedModuleError,
-        loss_parallel,
-        parallelize_module,
-        vocab_parallel_cross_entropy,
-    )
+if TYPE_CHECKING:  # type checkers see the names; at run time __getattr__ serves them
+    from spmd.tensor_parallel import *  # noqa: F403
 
 NEW_PATH = "spmd.tensor_parallel"
 
-__all__ = [
-    "parallelize_module",
-    "ParallelStyle",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-    "loss_parallel",
-    "vocab_parallel_cross_entropy",
-    "UnsupportedModuleError",
-]
+# The same public names as the new package, read from it rather than listed twice.
+__all__ = list(importlib.import_module(NEW_PATH).__all__)
 
 
 def __getattr__(name: str) -> object:
