@@ -65,11 +65,17 @@ def is_inplace(op: Any) -> bool:
 def fallback_refusal(op: Any) -> str | None:
     """Why the replicate fallback would be wrong for ``op``, or None when it is safe.
 
-    Random ops would draw different numbers on every rank, and ``out=`` ops would write into a
-    temporary copy instead of the caller's tensor.
+    Random ops would draw different numbers on every rank; ``out=`` ops would write into a
+    temporary copy instead of the caller's tensor; views (``diagonal``, ``_conj``) would alias the
+    gathered copy, so writes through them would be lost; in-place views (``squeeze_``) would
+    change the copy's shape, not the DTensor's.
     """
     if torch.Tag.nondeterministic_seeded in op.tags:
         return "it is random, so replicas would disagree"
+    if torch.Tag.inplace_view in op.tags:
+        return "it changes the tensor's shape in place; use the out-of-place op (x = x.squeeze(d))"
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns):
+        return "it returns a view of its input, which must alias the DTensor itself"
     arguments = op._schema.arguments
     writes = [a.name for a in arguments[1 if is_inplace(op) else 0 :] if a.alias_info is not None and a.alias_info.is_write]
     if writes:

@@ -268,3 +268,19 @@ def test_an_input_passed_twice_is_redistributed_once() -> None:
         return comm.get_comm_counts()
 
     assert run_threaded(square_of_partial, 4)[0] == {"all_reduce": 1}
+
+
+def test_views_and_in_place_shape_changes_never_fall_back() -> None:
+    def squeeze_in_place() -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        distribute_tensor(randn(8, 1), mesh, [Shard(0)]).squeeze_(1)
+
+    with pytest.raises(NotImplementedError, match=r"squeeze_.*changes the tensor's shape in place"):
+        run_threaded(squeeze_in_place, 4)
+
+    def unfold_view() -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        distribute_tensor(randn(8, 4), mesh, [Shard(0)]).unfold(1, 2, 1)
+
+    with pytest.raises(NotImplementedError, match="returns a view of its input"):
+        run_threaded(unfold_view, 4)

@@ -9,6 +9,7 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
   stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
   flip, roll(dims):     S(d) -> S(d) for d not flipped / rolled (roll without dims replicates all)
   repeat(r):            S(d) -> S(d + new leading dims) where r[d] == 1
+  diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated)
   tril, triu(k):        S(d) -> S(d) for every d, the last two included: the local call shifts the
                         diagonal by the shard's row offset minus its column offset
 expand lives in reductions.py (it is the backward of every reduction).
@@ -96,6 +97,15 @@ def stack_rule(call: OpCall) -> Sequence[OpStrategy]:
     ndim = call.input_specs[0].ndim
     dim = normalize_dim(call.arg(1, "dim", 0), ndim + 1)
     return _joined(call.input_specs, ndim, {d: d if d < dim else d + 1 for d in range(ndim)})
+
+
+@register_rule(aten.diagonal.default)
+def diagonal_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d') for d not one of the two diagonal dims (d' counts the dims left); P -> P."""
+    ndim = call.input_specs[0].ndim
+    pair = {normalize_dim(call.arg(2, "dim1", 0), ndim), normalize_dim(call.arg(3, "dim2", 1), ndim)}
+    kept = [d for d in range(ndim) if d not in pair]
+    return _keep_dims(ndim, {d: i for i, d in enumerate(kept)})
 
 
 @register_rule(aten.flip.default)

@@ -10,7 +10,7 @@ import torch
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import Placement
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, run_threaded, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R = Replicate()
@@ -279,3 +279,22 @@ class ThreeDMeshTest(DTensorTestBase):
         )
         x = distribute_tensor(randn(8, 6), mesh, [Shard(0), Shard(0), R])
         self.assertEqual(x.flatten().placements, (Shard(0), Shard(0), R))
+
+
+def test_diagonal_keeps_shards_off_the_diagonal_dims_and_is_a_view() -> None:
+    full = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(0))
+
+    def diagonals() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        d = torch.diagonal(x, 0, 1, 2)
+        assert d.placements == (Shard(0),)
+        values = d.full_tensor()
+        x.diagonal(dim1=1, dim2=2).fill_(7.0)  # writes land in x itself
+        return values, x.full_tensor()
+
+    expected_after = full.clone()
+    expected_after.diagonal(dim1=1, dim2=2).fill_(7.0)
+    for values, after in run_threaded(diagonals, 4):
+        torch.testing.assert_close(values, torch.diagonal(full, 0, 1, 2))
+        torch.testing.assert_close(after, expected_after)
