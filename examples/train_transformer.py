@@ -10,7 +10,7 @@ all-reduce loop. The loss is computed vocab-parallel
 
     python examples/train_transformer.py                        # 4 ranks as threads of one process
     python examples/train_transformer.py --check                # also compare with one device
-    python examples/train_transformer.py --sequence-parallel    # norms on sequence-sharded activations
+    python examples/train_transformer.py --no-sequence-parallel # norms on whole (replicated) activations
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
 Under torchrun (detected by the RANK env var) the ranks are processes talking over gloo;
@@ -60,7 +60,7 @@ class Config:
     seed: int = 0
     dp: int = 2
     tp: int = 2
-    sequence_parallel: bool = False
+    sequence_parallel: bool = True
     """Run the norms on activations sharded over tp on the sequence dim."""
 
 
@@ -316,7 +316,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--dp", type=int, default=Config.dp, help="data-parallel degree")
     parser.add_argument("--tp", type=int, default=Config.tp, help="tensor-parallel degree")
-    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=Config.sequence_parallel,
+        help="shard the norms' activations over tp on the sequence dim (default on)",
+    )
     parser.add_argument("--check", action="store_true", help="compare the loss curve with a single-device run")
     args = parser.parse_args(argv)
     cfg = Config(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel)
