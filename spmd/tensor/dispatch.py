@@ -99,12 +99,19 @@ class Dispatcher:
         self.fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
         """Run ops that have no rule on replicated inputs (logged) instead of raising."""
         self._warned: set[Any] = set()
+        self._functional: dict[Any, Any] = {}
+        """``out=`` overload -> (functional overload, out argument names), or None."""
 
     def clear_cache(self) -> None:
         self._cache.clear()
 
     def dispatch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run aten ``op`` on DTensor arguments: propagate -> redistribute -> run local -> wrap."""
+        variant = self._functional.get(op, _UNKNOWN)
+        if variant is _UNKNOWN:
+            variant = self._functional[op] = functional_variant(op)
+        if variant is not None:
+            return _dispatch_out(op, variant, args, kwargs)
         leaves, shape = _flatten(args, kwargs)
         key_parts: list[Any] = [op, shape]
         positions: list[int] = []
@@ -320,6 +327,44 @@ class Dispatcher:
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
         return self._make_call(op, leaves, shape, list(kwargs), positions)
+
+
+_UNKNOWN = object()
+
+
+def functional_variant(op: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """For an ``out=`` overload (``add.out``), the functional one with the same other arguments."""
+    schema = op._schema
+    outs = tuple(a.name for a in schema.arguments if a.is_out)
+    if not outs:
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+    packet = getattr(torch.ops.aten, schema.name.split("::")[-1], None)
+    for name in packet.overloads() if packet is not None else ():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        if not any(a.is_out for a in arguments) and [(a.name, str(a.type)) for a in arguments] == wanted:
+            return candidate, outs
+    return None
+
+
+def _dispatch_out(op: Any, variant: tuple[Any, tuple[str, ...]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op(..., out=o)``: run the functional op on DTensors, then copy into ``o`` in its own layout."""
+    functional, out_names = variant
+    outs = [kwargs[name] for name in out_names]
+    rest = {k: v for k, v in kwargs.items() if k not in out_names}
+    result = functional(*args, **rest)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for out, value in zip(outs, results):
+        if not isinstance(out, DTensor):
+            raise RuntimeError(f"{op}: out= must be a DTensor when the inputs are DTensors")
+        if tuple(out.shape) != tuple(value.shape) or out.dtype != value.dtype:
+            raise RuntimeError(
+                f"{op}: out= has shape {list(out.shape)} and dtype {out.dtype}, the result {list(value.shape)} "
+                f"and {value.dtype}; DTensor out= tensors are not resized, so pass one of the result's shape"
+            )
+        out.copy_(value)  # the result is laid out as ``out`` (copy_ keeps self's placement)
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 class _ImplicitReplication(threading.local):

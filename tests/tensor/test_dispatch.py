@@ -284,3 +284,30 @@ def test_views_and_in_place_shape_changes_never_fall_back() -> None:
 
     with pytest.raises(NotImplementedError, match="returns a view of its input"):
         run_threaded(unfold_view, 4)
+
+
+def test_out_variants_write_into_the_out_tensor_in_its_layout() -> None:
+    a_full, b_full = randn(7, 4, seed=1), randn(7, 4, seed=2)
+
+    def add_and_max_into_out() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        a = distribute_tensor(a_full, mesh, [Shard(0)])
+        b = distribute_tensor(b_full, mesh, [Replicate()])
+        out = distribute_tensor(torch.zeros(7, 4), mesh, [Shard(1)])
+        returned = torch.add(a, b, out=out)
+        assert returned is out and out.placements == (Shard(1),)
+        values = distribute_tensor(torch.zeros(7), mesh, [Replicate()])
+        indices = distribute_tensor(torch.zeros(7, dtype=torch.int64), mesh, [Replicate()])
+        torch.max(a, 1, out=(values, indices))
+        wrong = distribute_tensor(torch.zeros(3), mesh, [Replicate()])
+        try:
+            torch.add(a, b, out=wrong)
+        except RuntimeError as error:
+            message = str(error)
+        return out.full_tensor(), values.full_tensor(), indices.full_tensor(), message
+
+    for out, values, indices, message in run_threaded(add_and_max_into_out, 4):
+        torch.testing.assert_close(out, a_full + b_full)
+        torch.testing.assert_close(values, a_full.max(1).values)
+        torch.testing.assert_close(indices, a_full.max(1).indices)
+        assert "not resized" in message
