@@ -138,6 +138,13 @@ class Dispatcher:
                 key_parts.append(a)
         if mesh is None:
             raise AssertionError(f"{op} reached the DTensor dispatcher without a DTensor argument")
+        first = leaves[positions[0]]
+        if first._copied_view and positions[0] == 0 and is_inplace(op):
+            raise RuntimeError(
+                f"{op} writes into a view of a DTensor that had to be redistributed to make the view, "
+                f"so the write would not reach the original ({first._spec}); write into the original "
+                "tensor, or call .clone() on the view first if it is meant to be a copy"
+            )
         if REGISTRY.version != self._registry_version:
             self._cache.clear()
             self._registry_version = REGISTRY.version
@@ -188,12 +195,22 @@ class Dispatcher:
         output_specs = decision.output_specs
         if type(result) is torch.Tensor:
             first = output_specs[0]
-            return result if first is None else DTensor(result, first, requires_grad=False)
+            if first is None:
+                return result
+            wrapped = DTensor(result, first, requires_grad=False)
+            if decision.view_of_copy:
+                wrapped._copied_view = True
+            return wrapped
         if isinstance(result, (tuple, list)):
-            return type(result)(
+            pieces = [
                 r if out is None or not isinstance(r, torch.Tensor) else DTensor(r, out, requires_grad=False)
                 for r, out in zip(result, output_specs)
-            )
+            ]
+            if decision.view_of_copy:
+                for piece in pieces:
+                    if isinstance(piece, DTensor):
+                        piece._copied_view = True
+            return type(result)(pieces)
         return result
 
     @staticmethod
@@ -266,9 +283,12 @@ class Dispatcher:
             raise
         input_specs: list[DTensorSpec] = [leaves[i]._spec for i in positions]
         mesh = input_specs[0].mesh
+        moves = tuple(n for n, s in enumerate(input_specs) if decision.input_placements[n] != s.placements)
+        returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
         return dataclasses.replace(
             decision,
-            moves=tuple(n for n, s in enumerate(input_specs) if decision.input_placements[n] != s.placements),
+            view_of_copy=returns_view and bool(moves),
+            moves=moves,
             output_specs=tuple(
                 None if p is None or m is None else DTensorSpec(mesh, p, m)
                 for p, m in zip(decision.output_placements, decision.output_metas)

@@ -31,7 +31,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ["_local_tensor", "_spec"]
+    _copied_view: bool
+    """A view whose input had to be redistributed first: it aliases a copy, so writes are refused."""
+    __slots__ = ["_copied_view", "_local_tensor", "_spec"]
 
     # Run Python-level torch functions as plain tensor code; only aten ops reach the dispatcher.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -52,6 +54,7 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        r._copied_view = False
         return r
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

@@ -46,6 +46,8 @@ class Decision:
     """Indices of the inputs whose placements must change (filled in by the dispatcher)."""
     output_specs: tuple[DTensorSpec | None, ...] = ()
     """Ready-made output specs (filled in by the dispatcher; the mesh compares by value)."""
+    view_of_copy: bool = False
+    """A view op whose input is redistributed first: its output aliases a copy, not the input."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:

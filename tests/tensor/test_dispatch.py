@@ -311,3 +311,16 @@ def test_out_variants_write_into_the_out_tensor_in_its_layout() -> None:
         torch.testing.assert_close(values, a_full.max(1).values)
         torch.testing.assert_close(indices, a_full.max(1).indices)
         assert "not resized" in message
+
+
+def test_writing_through_a_view_of_a_redistributed_copy_raises() -> None:
+    def fill_diagonal_of_row_shards() -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)])
+        diagonal = x.diagonal()  # both diagonal dims must be whole: x is gathered first
+        torch.testing.assert_close(diagonal.full_tensor(), torch.zeros(8))
+        diagonal.fill_(1.0)
+        return x.full_tensor()
+
+    with pytest.raises(RuntimeError, match="writes into a view of a DTensor that had to be redistributed"):
+        run_threaded(fill_diagonal_of_row_shards, 4)
