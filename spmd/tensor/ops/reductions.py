@@ -36,7 +36,8 @@ def reduced_dims(call: OpCall, dims_arg: Any, ndim: int) -> list[int]:
     if dims_arg is None or (isinstance(dims_arg, (list, tuple)) and len(dims_arg) == 0):
         return list(range(ndim))
     dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
-    return sorted({normalize_dim(int(d), ndim) for d in dims})
+    checked = sorted({normalize_dim(int(d), ndim) for d in dims})
+    return checked if ndim else []  # a 0-d tensor accepts dim 0 or -1 but has no dim to reduce
 
 
 def reduction_candidates(
