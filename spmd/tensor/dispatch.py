@@ -330,6 +330,9 @@ class Dispatcher:
         for i, a in enumerate(leaves):
             if isinstance(a, torch.Tensor) and i not in positions:
                 meta_leaves[i] = a.to("meta")
+            elif isinstance(a, torch.device):
+                # ``x.to(dtype, device="cpu")`` would copy the meta tensor out; shapes are all we need
+                meta_leaves[i] = torch.device("meta")
         meta_args, meta_kwargs = _unflatten(meta_leaves, shape, kwarg_names)
         try:
             meta_out = op(*meta_args, **meta_kwargs)

@@ -324,3 +324,17 @@ def test_writing_through_a_view_of_a_redistributed_copy_raises() -> None:
 
     with pytest.raises(RuntimeError, match="writes into a view of a DTensor that had to be redistributed"):
         run_threaded(fill_diagonal_of_row_shards, 4)
+
+
+def test_casts_with_a_device_argument() -> None:
+    def cast() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(8, 4), mesh, [Shard(0)])
+        doubled = x.to(device="cpu", dtype=torch.float64)
+        soft = torch.softmax(x, dim=1, dtype=torch.float64)
+        return doubled.dtype, doubled.placements, doubled.full_tensor(), soft.full_tensor()
+
+    for dtype, placements, doubled, soft in run_threaded(cast, 4):
+        assert dtype == torch.float64 and placements == (Shard(0),)
+        torch.testing.assert_close(doubled, randn(8, 4).double())
+        torch.testing.assert_close(soft, torch.softmax(randn(8, 4), dim=1, dtype=torch.float64))
