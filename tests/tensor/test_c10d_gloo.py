@@ -59,6 +59,9 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, a
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(*args)
+        # No rank tears the group down while a peer still has gloo work in flight (that aborts
+        # the process with "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
