@@ -347,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
             )
         try:
             losses = train(cfg)
+            dist.barrier()  # no rank tears the group down while a peer still has work in flight
             if check and dist.get_rank() == 0:
                 check_against_single_device(cfg, losses)
         finally:
