@@ -2,12 +2,14 @@
 
 from spmd.tensor.comm import CollectiveAbortedError, CollectiveTimeoutError, run_threaded
 from spmd.testing.common_dtensor import DTensorTestBase, run_subtests, with_comms
+from spmd.testing.layouts import seeded_randn
 
 __all__ = [
     "run_threaded",
     "DTensorTestBase",
     "with_comms",
     "run_subtests",
+    "seeded_randn",
     "CollectiveTimeoutError",
     "CollectiveAbortedError",
 ]

@@ -12,14 +12,12 @@ from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.dispatch import DISPATCHER, implicit_replication
 from spmd.tensor.ops import REGISTRY, OpStrategy
 from spmd.testing import DTensorTestBase, run_threaded, with_comms
+from spmd.testing import seeded_randn as randn
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    """The same values on every rank thread (the global generator is shared between them)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def leaf(full: torch.Tensor, mesh, placements) -> DTensor:

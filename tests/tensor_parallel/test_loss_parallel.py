@@ -12,12 +12,11 @@ from torch import nn
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor_parallel import ColwiseParallel, loss_parallel, parallelize_module, vocab_parallel_cross_entropy
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
-    """The same values on every rank thread (they share torch's global generator, so never use it)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+    return seeded_randn(*shape, seed=seed, dtype=torch.float64) * 3
 
 
 def targets(shape: tuple[int, ...], num_classes: int, *, seed: int, ignore_index: int | None) -> torch.Tensor:

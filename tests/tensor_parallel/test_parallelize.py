@@ -21,13 +21,11 @@ from spmd.tensor_parallel import (
 )
 from spmd.tensor_parallel.parallelize import resolve_plan_key
 from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import seeded_randn as randn
 
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
-def randn(*shape: int, seed: int) -> torch.Tensor:
-    """The same values on every rank thread (they share torch's global generator, so never use it)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def seeded(module: nn.Module, seed: int) -> nn.Module:

@@ -22,11 +22,7 @@ from spmd.tensor_parallel import (
     parallelize_module,
 )
 from spmd.testing import DTensorTestBase, with_comms
-
-
-def randn(*shape: int, seed: int) -> torch.Tensor:
-    """The same values on every rank thread (they share torch's global generator, so never use it)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+from spmd.testing import seeded_randn as randn
 
 
 def seeded(module: nn.Module, seed: int) -> nn.Module:

@@ -11,7 +11,7 @@ import torch
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import Placement
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R = Replicate()
@@ -19,8 +19,7 @@ MESHES = [(4,), (2, 2)]
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    """The same values on every rank thread (the global generator is shared between them)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
 
 
 def randint(high: int, *shape: int, seed: int = 0) -> torch.Tensor:
