@@ -3,6 +3,7 @@
 from spmd.tensor.comm import CollectiveAbortedError, CollectiveTimeoutError, run_threaded
 from spmd.testing.common_dtensor import DTensorTestBase, run_subtests, with_comms
 from spmd.testing.layouts import seeded_randn
+from spmd.testing.multiprocess import RankFailed, run_multiprocess
 
 __all__ = [
     "run_threaded",
@@ -10,6 +11,8 @@ __all__ = [
     "with_comms",
     "run_subtests",
     "seeded_randn",
+    "run_multiprocess",
+    "RankFailed",
     "CollectiveTimeoutError",
     "CollectiveAbortedError",
 ]

@@ -9,19 +9,13 @@ whole run is bounded by a timeout, so a broken collective cannot hang the suite.
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import sys
 import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 from spmd.tensor import (
     DTensor,
@@ -34,76 +28,11 @@ from spmd.tensor import (
 )
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import run_subtests
+from spmd.testing.multiprocess import RankFailed, run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 
-TIMEOUT_S = 60.0
-"""Longest a whole multi-process run (and any one gloo collective in it) may take."""
-GRACE_S = 2.0
-"""After one rank fails, how long the others get to report their own errors before being killed."""
-
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")
-
-
-# ----- harness -------------------------------------------------------------------------------------
-class RankFailed(AssertionError):
-    """A rank of a multi-process run raised or died; the message holds every failing rank's traceback."""
-
-
-def _rank_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
-    # Keep gloo's own connections on loopback, whatever the host name resolves to.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-    torch.set_num_threads(1)  # tiny tensors; several ranks share the machine's cores
-    timeout = timedelta(seconds=TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        fn(*args)
-        # No rank tears the group down while a peer still has gloo work in flight (that aborts
-        # the process with "terminate called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = TIMEOUT_S) -> None:
-    """Run ``fn(*args)`` in ``world_size`` spawned processes joined in one gloo default group.
-
-    The rendezvous store lives in this (parent) process on a port the OS picks, so runs never race
-    for a port. Raises ``RankFailed`` if any rank fails and ``TimeoutError`` if the run overruns.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(
-        _rank_entry,
-        args=(fn, world_size, store.port, args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=GRACE_S):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{fn.__name__} on {world_size} gloo processes did not finish in {timeout:g}s"
-                )
-    except ProcessException as error:
-        raise RankFailed(_failure_report(context, error)) from None
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-
-
-def _failure_report(context: Any, error: ProcessException) -> str:
-    """The error join() raised, plus the tracebacks of any other rank that failed in the grace period."""
-    report = [str(error)]
-    for rank, path in enumerate(context.error_files):
-        if rank != error.error_index and os.path.exists(path) and os.path.getsize(path):
-            with open(path, "rb") as file:
-                report.append(f"\n-- Process {rank} also failed:\n{pickle.load(file)}")
-    return "".join(report)
 
 
 # ----- what each rank runs -------------------------------------------------------------------------
@@ -211,16 +140,16 @@ def fail_on_rank_1_midway() -> None:
 
 # ----- tests ---------------------------------------------------------------------------------------
 def test_redistribute_on_gloo_1d_mesh() -> None:
-    run_gloo(redistribute_on_1d_mesh, 2)
+    run_multiprocess(redistribute_on_1d_mesh, 2)
 
 
 def test_redistribute_on_gloo_2d_mesh() -> None:
-    run_gloo(redistribute_on_2d_mesh, 4)
+    run_multiprocess(redistribute_on_2d_mesh, 4)
 
 
 def test_failing_rank_fails_the_run_promptly() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailed, match="rank 1 fails on purpose"):
-        run_gloo(fail_on_rank_1_midway, 2, timeout=120.0)
+        run_multiprocess(fail_on_rank_1_midway, 2, timeout=120.0)
     # Far below both the run timeout and the gloo collective timeout: the failure was noticed, not waited out.
     assert time.monotonic() - start < 30.0
