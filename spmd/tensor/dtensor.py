@@ -132,6 +132,22 @@ class DTensor(torch.Tensor):
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
+    # ----- torch.distributed.checkpoint's planner protocol (see spmd/tensor/checkpoint_protocol.py) --
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        from spmd.tensor import checkpoint_protocol
+
+        return checkpoint_protocol.create_write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from spmd.tensor import checkpoint_protocol
+
+        return checkpoint_protocol.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        from spmd.tensor import checkpoint_protocol
+
+        return checkpoint_protocol.get_tensor_shard(self, index)
+
 
 def _dispatcher() -> Any:
     """The dispatcher, imported on first use (it imports this module)."""
