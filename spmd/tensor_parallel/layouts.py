@@ -1,4 +1,9 @@
-"""Turning a module's inputs and outputs into DTensors of the layout a style wants, and back."""
+"""Turning a module's inputs and outputs into DTensors of the layout a style wants, and back.
+
+A style's layout is one placement on the tensor-parallel mesh dim (``tp_dim``). On an n-d mesh the
+other dims are left as they come: a DTensor keeps its placements there (e.g. ``Shard(0)`` over
+``dp`` for the batch), and a parameter or a plain-tensor input is ``Replicate()`` there.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,65 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.tensor import DeviceMesh, DTensor, Placement, distribute_tensor
+from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, distribute_tensor
 
-__all__ = ["as_dtensor", "relayout", "first_tensor_input", "module_output", "distribute_parameters"]
+__all__ = [
+    "TP_MESH_DIM_NAME",
+    "resolve_tp_mesh_dim",
+    "resolve_use_local",
+    "tp_placements",
+    "as_dtensor",
+    "relayout",
+    "first_tensor_input",
+    "module_output",
+    "distribute_parameters",
+]
+
+TP_MESH_DIM_NAME = "tp"
+"""The mesh dim name the styles act on by default on an n-d mesh."""
 
 
-def as_dtensor(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor:
-    """A DTensor as it is; a plain tensor read as this rank's piece laid out as ``layout``.
+def resolve_tp_mesh_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
+    """The index of the tensor-parallel mesh dim: the only one of a 1-d mesh, else the one named "tp"."""
+    if tp_mesh_dim is None:
+        if mesh.ndim == 1:
+            return 0
+        names = mesh.mesh_dim_names
+        if names is None or TP_MESH_DIM_NAME not in names:
+            hint = (
+                f"its dims are named {names}; pass tp_mesh_dim=<name or index>"
+                if names
+                else 'name the mesh dims (init_device_mesh(..., mesh_dim_names=("dp", "tp"))) or pass tp_mesh_dim='
+            )
+            raise ValueError(
+                f"tensor parallelism on the {mesh.ndim}-d {mesh} needs to know its tp dim: {hint}, "
+                'or pass the 1-d sub-mesh mesh["tp"]'
+            )
+        return names.index(TP_MESH_DIM_NAME)
+    try:
+        return mesh.dim_index(tp_mesh_dim)
+    except (KeyError, IndexError) as error:
+        raise ValueError(f"tp_mesh_dim={tp_mesh_dim!r} is not a dim of {mesh}: {error}") from None
 
-    A plain tensor's global shape assumes even shards; pass a DTensor for uneven ones.
+
+def resolve_use_local(use_local: bool | None, mesh: DeviceMesh) -> bool:
+    """``use_local_output=None``: local tensors on a 1-d mesh, DTensors on an n-d one.
+
+    On an n-d mesh a local piece would lose how the other dims lay it out (the batch over dp).
+    """
+    return mesh.ndim == 1 if use_local is None else use_local
+
+
+def tp_placements(mesh: DeviceMesh, tp_dim: int, layout: Placement) -> tuple[Placement, ...]:
+    """``layout`` on the tp dim and ``Replicate()`` on every other mesh dim."""
+    return tuple(layout if d == tp_dim else Replicate() for d in range(mesh.ndim))
+
+
+def as_dtensor(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, tp_dim: int = 0) -> DTensor:
+    """A DTensor as it is; a plain tensor read as this rank's piece laid out as ``layout`` on the tp dim.
+
+    A plain tensor is ``Replicate()`` on the other mesh dims and its global shape assumes even
+    shards; pass a DTensor for uneven ones, or for a batch sharded over another dim.
     """
     if isinstance(value, DTensor):
         if value.device_mesh != mesh:
@@ -25,13 +80,17 @@ def as_dtensor(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTen
                 "DTensor on that mesh, or this rank's local tensor"
             )
         return value
-    return DTensor.from_local(value, mesh, [layout], run_check=False)
+    return DTensor.from_local(value, mesh, tp_placements(mesh, tp_dim, layout), run_check=False)
 
 
-def relayout(value: DTensor, layout: Placement | None, *, use_local: bool) -> torch.Tensor:
-    """``value`` redistributed to ``layout`` (None: as it is), as a local tensor if ``use_local``."""
+def relayout(value: DTensor, layout: Placement | None, *, use_local: bool, tp_dim: int = 0) -> torch.Tensor:
+    """``value`` with its tp dim redistributed to ``layout`` (None: as it is), as a local tensor if ``use_local``.
+
+    The other mesh dims keep their placements.
+    """
     if layout is not None:
-        value = value.redistribute(placements=[layout])
+        target = tuple(layout if d == tp_dim else p for d, p in enumerate(value.placements))
+        value = value.redistribute(placements=target)
     return value.to_local() if use_local else value
 
 
@@ -57,12 +116,20 @@ def module_output(module: nn.Module, outputs: Any, style: object) -> DTensor:
 
 
 def distribute_parameters(
-    module: nn.Module, mesh: DeviceMesh, layouts: Mapping[str, Placement], src_data_rank: int | None
+    module: nn.Module,
+    mesh: DeviceMesh,
+    layouts: Mapping[str, Placement],
+    src_data_rank: int | None,
+    tp_dim: int = 0,
 ) -> None:
-    """Replace the module's own parameters named in ``layouts`` by DTensor parameters of that layout."""
+    """Replace the module's own parameters named in ``layouts`` by DTensor parameters of that layout.
+
+    The layout is on the tp dim; every other mesh dim replicates the parameter.
+    """
     for name, layout in layouts.items():
         param = module._parameters.get(name)
         if param is None or isinstance(param, DTensor):
             continue
-        sharded = distribute_tensor(param.detach(), mesh, [layout], src_data_rank=src_data_rank)
+        placements = tp_placements(mesh, tp_dim, layout)
+        sharded = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
-from spmd.tensor_parallel.layouts import as_dtensor, distribute_parameters, first_tensor_input, module_output, relayout
+from spmd.tensor_parallel.layouts import (
+    as_dtensor,
+    distribute_parameters,
+    first_tensor_input,
+    module_output,
+    relayout,
+    resolve_tp_mesh_dim,
+    resolve_use_local,
+)
 from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
 
 __all__ = ["ColwiseParallel", "RowwiseParallel"]
@@ -39,21 +47,27 @@ def _apply_linear_style(
     input_layout: Placement,
     desired_input_layout: Placement,
     output_layout: Placement,
-    use_local_output: bool,
+    use_local_output: bool | None,
     src_data_rank: int | None,
+    tp_mesh_dim: int | str | None,
 ) -> nn.Module:
-    """Shard the parameters, lay the first input out as the kernel needs, and the output as asked."""
+    """Shard the parameters, lay the first input out as the kernel needs, and the output as asked.
+
+    All layouts are on the tp mesh dim; other mesh dims of the activations are kept as they come.
+    """
+    tp = resolve_tp_mesh_dim(mesh, tp_mesh_dim)
+    use_local = resolve_use_local(use_local_output, mesh)
 
     def partition(name: str, submodule: nn.Module, _mesh: DeviceMesh) -> None:
         if submodule is module:
-            distribute_parameters(module, mesh, parameter_layouts, src_data_rank)
+            distribute_parameters(module, mesh, parameter_layouts, src_data_rank, tp)
 
     def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], _mesh: DeviceMesh) -> tuple[Any, ...]:
-        x = as_dtensor(first_tensor_input(mod, inputs, style), mesh, input_layout)
-        return (x.redistribute(placements=[desired_input_layout]), *inputs[1:])
+        x = as_dtensor(first_tensor_input(mod, inputs, style), mesh, input_layout, tp)
+        return (relayout(x, desired_input_layout, use_local=False, tp_dim=tp), *inputs[1:])
 
     def prepare_output(mod: nn.Module, outputs: Any, _mesh: DeviceMesh) -> torch.Tensor:
-        return relayout(module_output(mod, outputs, style), output_layout, use_local=use_local_output)
+        return relayout(module_output(mod, outputs, style), output_layout, use_local=use_local, tp_dim=tp)
 
     return distribute_module(module, mesh, partition, prepare_input, prepare_output)
 
@@ -69,14 +83,22 @@ class ColwiseParallel(ParallelStyle):
     """How a plain-tensor input is laid out on each rank; default ``Replicate()``."""
     output_layouts: Placement | None = None
     """The layout the output is redistributed to; default ``Shard(-1)`` (no communication)."""
-    use_local_output: bool = True
-    """Return this rank's local piece of the output instead of the DTensor."""
+    use_local_output: bool | None = None
+    """Return this rank's local piece of the output instead of the DTensor; None: local on a 1-d mesh,
+    the DTensor on an n-d one (a local piece would lose the other dims' layout)."""
 
     def __post_init__(self) -> None:
         _check_layout(self, "input_layouts", self.input_layouts)
         _check_layout(self, "output_layouts", self.output_layouts)
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    def apply(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        tp_mesh_dim: int | str | None = None,
+    ) -> nn.Module:
         if isinstance(module, nn.Linear):
             parameter_layouts: dict[str, Placement] = {"weight": Shard(0), "bias": Shard(0)}
         elif isinstance(module, nn.Embedding):
@@ -97,6 +119,7 @@ class ColwiseParallel(ParallelStyle):
             output_layout=Shard(-1) if self.output_layouts is None else self.output_layouts,
             use_local_output=self.use_local_output,
             src_data_rank=src_data_rank,
+            tp_mesh_dim=tp_mesh_dim,
         )
 
 
@@ -113,14 +136,22 @@ class RowwiseParallel(ParallelStyle):
     output_layouts: Placement | None = None
     """The layout the partial output is reduced to; default ``Replicate()`` (all_reduce);
     ``Shard(d)`` gives a reduce_scatter (sequence parallelism)."""
-    use_local_output: bool = True
-    """Return this rank's local piece of the output instead of the DTensor."""
+    use_local_output: bool | None = None
+    """Return this rank's local piece of the output instead of the DTensor; None: local on a 1-d mesh,
+    the DTensor on an n-d one (a local piece would lose the other dims' layout)."""
 
     def __post_init__(self) -> None:
         _check_layout(self, "input_layouts", self.input_layouts)
         _check_layout(self, "output_layouts", self.output_layouts)
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    def apply(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        tp_mesh_dim: int | str | None = None,
+    ) -> nn.Module:
         if isinstance(module, nn.Embedding):
             # Each rank looks up the indices its rows hold (zeros elsewhere): a P(sum) output.
             return _apply_linear_style(
@@ -133,6 +164,7 @@ class RowwiseParallel(ParallelStyle):
                 output_layout=Replicate() if self.output_layouts is None else self.output_layouts,
                 use_local_output=self.use_local_output,
                 src_data_rank=src_data_rank,
+                tp_mesh_dim=tp_mesh_dim,
             )
         if not isinstance(module, nn.Linear):
             raise UnsupportedModuleError(
@@ -150,4 +182,5 @@ class RowwiseParallel(ParallelStyle):
             output_layout=Replicate() if self.output_layouts is None else self.output_layouts,
             use_local_output=self.use_local_output,
             src_data_rank=src_data_rank,
+            tp_mesh_dim=tp_mesh_dim,
         )

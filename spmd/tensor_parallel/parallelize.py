@@ -3,6 +3,11 @@
 A plan is one style (for the module itself) or a dict from submodule names to styles. A name is
 a dotted path whose segments may be fnmatch patterns, matched one segment per module level:
 ``layers.*.attn.q_proj`` names the ``q_proj`` of every layer's ``attn``; ``""`` is the module itself.
+
+On an n-d mesh (``("dp", "tp")``) the styles act on the tp dim only: parameters are replicated on
+the other dims, and DTensor activations keep their placements there (the batch stays sharded over
+dp), so data parallelism (``spmd.fsdp.fully_shard``, or replicated parameters with a dp-sharded
+batch) composes with the plan on the same mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from spmd.tensor import DeviceMesh
+from spmd.tensor_parallel.layouts import resolve_tp_mesh_dim
 from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
 
 __all__ = ["parallelize_module", "resolve_plan_key"]
@@ -27,15 +33,21 @@ def parallelize_module(
     parallelize_plan: Plan,
     *,
     src_data_rank: int | None = 0,
+    tp_mesh_dim: int | str | None = None,
 ) -> nn.Module:
-    """Parallelise ``module`` in place over the 1-d ``device_mesh`` as ``parallelize_plan`` says.
+    """Parallelise ``module`` in place over the tp dim of ``device_mesh`` as ``parallelize_plan`` says.
+
+    ``tp_mesh_dim`` (name or index) picks the tp dim of an n-d mesh; None: the only dim of a 1-d
+    mesh, else the dim named ``"tp"``.
 
     >>> plan = {"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down": RowwiseParallel()}
     >>> parallelize_module(model, mesh["tp"], plan)  # doctest: +SKIP
+    >>> parallelize_module(model, mesh, plan)  # the (dp, tp) mesh: batch-sharded DTensor inputs  # doctest: +SKIP
     """
     _check_mesh(device_mesh)
+    tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
     if isinstance(parallelize_plan, ParallelStyle):
-        _apply_style(parallelize_plan, module, "", "", device_mesh, src_data_rank)
+        _apply_style(parallelize_plan, module, "", "", device_mesh, src_data_rank, tp)
         return module
     if not isinstance(parallelize_plan, Mapping):
         raise TypeError(
@@ -49,7 +61,7 @@ def parallelize_module(
         if not matches:
             raise ValueError(_no_match_message(module, key))
         for name, submodule in matches:
-            _apply_style(style, submodule, name, key, device_mesh, src_data_rank)
+            _apply_style(style, submodule, name, key, device_mesh, src_data_rank, tp)
     return module
 
 
@@ -75,20 +87,19 @@ def _matching_children(level: list[tuple[str, nn.Module]], pattern: str) -> list
 def _check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"parallelize_module needs a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names
-        hint = f'mesh["{names[-1]}"]' if names else 'a 1-d sub-mesh such as mesh["tp"] (name the mesh dims)'
-        raise ValueError(
-            f"parallelize_module needs a 1-d mesh (the tensor-parallel dim), got the {mesh.ndim}-d {mesh}; "
-            f"pass {hint}"
-        )
 
 
 def _apply_style(
-    style: ParallelStyle, module: nn.Module, name: str, key: str, mesh: DeviceMesh, src_data_rank: int | None
+    style: ParallelStyle,
+    module: nn.Module,
+    name: str,
+    key: str,
+    mesh: DeviceMesh,
+    src_data_rank: int | None,
+    tp_mesh_dim: int,
 ) -> None:
     try:
-        style.apply(module, mesh, src_data_rank=src_data_rank)
+        style.apply(module, mesh, src_data_rank=src_data_rank, tp_mesh_dim=tp_mesh_dim)
     except UnsupportedModuleError as error:
         where = f"submodule {name!r} (plan key {key!r})" if name else "the root module"
         raise UnsupportedModuleError(f"{where}: {error}") from None

@@ -2,7 +2,8 @@
 
 Each layout tuple has one entry per positional input (output); ``None`` leaves that entry alone.
 A plain tensor is read as this rank's piece of ``*_layouts``, then redistributed to
-``desired_*_layouts``.
+``desired_*_layouts``. Layouts are on the tp mesh dim; on an n-d mesh a DTensor keeps its other
+dims' placements, and a plain tensor is ``Replicate()`` there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, Placement
-from spmd.tensor_parallel.layouts import as_dtensor, relayout
+from spmd.tensor_parallel.layouts import as_dtensor, relayout, resolve_tp_mesh_dim, resolve_use_local
 from spmd.tensor_parallel.style import ParallelStyle
 
 __all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
@@ -57,13 +58,20 @@ def _check_pairs(
 
 
 def _prepare(
-    value: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, *, use_local: bool, where: str
+    value: Any,
+    mesh: DeviceMesh,
+    layout: Placement | None,
+    desired: Placement | None,
+    *,
+    use_local: bool,
+    where: str,
+    tp_dim: int,
 ) -> Any:
     if layout is None:
         return value
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} was given layout {layout} but is a {type(value).__name__}, not a tensor")
-    return relayout(as_dtensor(value, mesh, layout), desired, use_local=use_local)
+    return relayout(as_dtensor(value, mesh, layout, tp_dim), desired, use_local=use_local, tp_dim=tp_dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,7 +106,9 @@ class PrepareModuleInput(ParallelStyle):
         object.__setattr__(self, "input_kwarg_layouts", kwargs or None)
         object.__setattr__(self, "desired_input_kwarg_layouts", desired_kwargs or None)
 
-    def prepare_inputs(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    def prepare_inputs(
+        self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh, tp_dim: int = 0
+    ) -> tuple[Any, ...]:
         """The positional inputs laid out as configured."""
         given = self.input_layouts
         if given is None:
@@ -110,31 +120,41 @@ class PrepareModuleInput(ParallelStyle):
             )
         return tuple(
             _prepare(x, mesh, layout, desired, use_local=self.use_local_output,
-                     where=f"input {i} of {type(module).__name__}")
+                     where=f"input {i} of {type(module).__name__}", tp_dim=tp_dim)
             for i, (x, layout, desired) in enumerate(zip(inputs, given, self.desired_input_layouts))
         )
 
-    def prepare_kwargs(self, module: nn.Module, kwargs: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+    def prepare_kwargs(
+        self, module: nn.Module, kwargs: dict[str, Any], mesh: DeviceMesh, tp_dim: int = 0
+    ) -> dict[str, Any]:
         """The keyword inputs laid out as configured."""
         given = self.input_kwarg_layouts or {}
         desired = self.desired_input_kwarg_layouts or {}
         return {
             key: _prepare(value, mesh, given.get(key), desired.get(key), use_local=self.use_local_output,
-                          where=f"keyword input {key!r} of {type(module).__name__}")
+                          where=f"keyword input {key!r} of {type(module).__name__}", tp_dim=tp_dim)
             for key, value in kwargs.items()
         }
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    def apply(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        tp_mesh_dim: int | str | None = None,
+    ) -> nn.Module:
+        tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
         if self.input_kwarg_layouts:
             module.register_forward_pre_hook(
                 lambda mod, args, kwargs: (
-                    self.prepare_inputs(mod, args, device_mesh),
-                    self.prepare_kwargs(mod, kwargs, device_mesh),
+                    self.prepare_inputs(mod, args, device_mesh, tp),
+                    self.prepare_kwargs(mod, kwargs, device_mesh, tp),
                 ),
                 with_kwargs=True,
             )
         else:
-            module.register_forward_pre_hook(lambda mod, args: self.prepare_inputs(mod, args, device_mesh))
+            module.register_forward_pre_hook(lambda mod, args: self.prepare_inputs(mod, args, device_mesh, tp))
         return module
 
 
@@ -146,8 +166,8 @@ class PrepareModuleOutput(ParallelStyle):
     """Layout of each output as the module returns it (None: leave it)."""
     desired_output_layouts: Layouts
     """Layout each output is redistributed to."""
-    use_local_output: bool = True
-    """Return local tensors instead of DTensors."""
+    use_local_output: bool | None = None
+    """Return local tensors instead of DTensors; None: local on a 1-d mesh, DTensors on an n-d one."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -159,7 +179,7 @@ class PrepareModuleOutput(ParallelStyle):
         object.__setattr__(self, "output_layouts", given)
         object.__setattr__(self, "desired_output_layouts", desired)
 
-    def prepare_outputs(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    def prepare_outputs(self, module: nn.Module, outputs: Any, mesh: DeviceMesh, tp_dim: int = 0) -> Any:
         """The outputs laid out as configured (one value stays one value)."""
         given, desired = self.output_layouts, self.desired_output_layouts
         assert isinstance(given, tuple) and isinstance(desired, tuple)  # set in __post_init__
@@ -168,15 +188,24 @@ class PrepareModuleOutput(ParallelStyle):
             raise ValueError(
                 f"{type(module).__name__} returned {len(values)} outputs but {self!r} lays out {len(given)}"
             )
+        use_local = resolve_use_local(self.use_local_output, mesh)
         prepared = tuple(
-            _prepare(v, mesh, layout, want, use_local=self.use_local_output,
-                     where=f"output {i} of {type(module).__name__}")
+            _prepare(v, mesh, layout, want, use_local=use_local,
+                     where=f"output {i} of {type(module).__name__}", tp_dim=tp_dim)
             for i, (v, layout, want) in enumerate(zip(values, given, desired))
         )
         return prepared if isinstance(outputs, tuple) else prepared[0]
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
-        module.register_forward_hook(lambda mod, args, outputs: self.prepare_outputs(mod, outputs, device_mesh))
+    def apply(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        tp_mesh_dim: int | str | None = None,
+    ) -> nn.Module:
+        tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
+        module.register_forward_hook(lambda mod, args, outputs: self.prepare_outputs(mod, outputs, device_mesh, tp))
         return module
 
 
@@ -191,7 +220,7 @@ class PrepareModuleInputOutput(ParallelStyle):
     use_local_input: bool = False
     output_layouts: Layouts
     desired_output_layouts: Layouts
-    use_local_output: bool = True
+    use_local_output: bool | None = None
 
     def __post_init__(self) -> None:
         self.styles()  # check the options now, not at apply time
@@ -204,10 +233,17 @@ class PrepareModuleInputOutput(ParallelStyle):
         outputs = PrepareModuleOutput(**output_options, use_local_output=self.use_local_output)
         return inputs, outputs
 
-    def apply(self, module: nn.Module, device_mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    def apply(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        src_data_rank: int | None = 0,
+        tp_mesh_dim: int | str | None = None,
+    ) -> nn.Module:
         inputs, outputs = self.styles()
-        inputs.apply(module, device_mesh, src_data_rank=src_data_rank)
-        return outputs.apply(module, device_mesh, src_data_rank=src_data_rank)
+        inputs.apply(module, device_mesh, src_data_rank=src_data_rank, tp_mesh_dim=tp_mesh_dim)
+        return outputs.apply(module, device_mesh, src_data_rank=src_data_rank, tp_mesh_dim=tp_mesh_dim)
 
 
 _INPUT_OPTIONS = ("input_layouts", "desired_input_layouts", "input_kwarg_layouts", "desired_input_kwarg_layouts")

@@ -272,13 +272,18 @@ class PlanTest(DTensorTestBase):
             model(x)
 
     @with_comms
-    def test_mesh_must_be_1d(self) -> None:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        with pytest.raises(ValueError, match=r'needs a 1-d mesh.*pass mesh\["tp"\]'):
-            parallelize_module(MLP(), mesh, MLP_PLAN)
+    def test_nd_mesh_needs_a_tp_dim(self) -> None:
+        """An n-d mesh must say which dim is tp: by the name "tp", or tp_mesh_dim=."""
+        named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "model"))
+        with pytest.raises(ValueError, match=r"named \('dp', 'model'\); pass tp_mesh_dim="):
+            parallelize_module(MLP(), named, MLP_PLAN)
+        with pytest.raises(ValueError, match="tp_mesh_dim='tp' is not a dim"):
+            parallelize_module(MLP(), named, MLP_PLAN, tp_mesh_dim="tp")
         unnamed = init_device_mesh("cpu", (2, 2))
         with pytest.raises(ValueError, match="name the mesh dims"):
             parallelize_module(MLP(), unnamed, MLP_PLAN)
+        model = parallelize_module(MLP(), named, MLP_PLAN, tp_mesh_dim="model")
+        assert model.up.weight.placements == (Replicate(), Shard(0))
 
     @with_comms
     def test_prepare_input_before_sharded_submodules(self) -> None:
