@@ -1,6 +1,9 @@
 """spmd.tensor: distributed tensors over an n-d device mesh (the ``torch.distributed.tensor`` API)."""
 
-from spmd.tensor import ops  # noqa: F401  (registers every sharding rule)
+from spmd.tensor import (
+    ops,  # noqa: F401  (registers every sharding rule)
+    serialization,  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
+)
 from spmd.tensor.api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
 from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor.dtensor import DTensor

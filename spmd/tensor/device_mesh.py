@@ -32,9 +32,7 @@ class DeviceMesh:
         _world: World | None = None,
         _create_groups: bool = True,
     ) -> None:
-        ranks = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
-        if ranks.ndim == 0:
-            ranks = ranks.reshape(1)
+        ranks = _ranks_tensor(mesh)
         self.device_type = device_type
         self.mesh = ranks
         self._shape = tuple(ranks.shape)
@@ -42,7 +40,14 @@ class DeviceMesh:
         if len(set(self._flat)) != len(self._flat):
             raise ValueError(f"a DeviceMesh lists each rank once; got {ranks.tolist()}")
         if mesh_dim_names is not None:
+            if isinstance(mesh_dim_names, str):
+                raise TypeError(
+                    f"mesh_dim_names takes one name per mesh dim, got the string {mesh_dim_names!r}; "
+                    f"pass a tuple such as ({mesh_dim_names!r},)"
+                )
             mesh_dim_names = tuple(mesh_dim_names)
+            if not all(isinstance(name, str) for name in mesh_dim_names):
+                raise TypeError(f"mesh_dim_names must be strings, got {mesh_dim_names!r}")
             if len(mesh_dim_names) != ranks.ndim or len(set(mesh_dim_names)) != ranks.ndim:
                 raise ValueError(
                     f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once"
@@ -64,8 +69,7 @@ class DeviceMesh:
             rows = ranks.movedim(d, -1).reshape(-1, self._shape[d]).tolist()
             self._dim_groups.append({r: tuple(row) for row in rows for r in row})
         if _create_groups:
-            groups = sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
-            self._world.create_groups(groups)
+            self._world.create_groups(self._groups())
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
         # communicators belong to different ranks.
         self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names, id(self._world)))
@@ -119,6 +123,10 @@ class DeviceMesh:
             raise RuntimeError(f"rank {self.get_rank()} is not part of {self!r}")
         return coordinate
 
+    def _groups(self) -> list[tuple[int, ...]]:
+        """Every group of ranks this mesh communicates over, in the order all ranks create them."""
+        return sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
+
     def get_communicator(self, mesh_dim: int | str) -> Communicator:
         """The caller's communicator along ``mesh_dim``."""
         dim = self.dim_index(mesh_dim)
@@ -138,6 +146,11 @@ class DeviceMesh:
         """The sub-mesh over the named dims that contains the caller, e.g. ``mesh["tp"]``."""
         wanted = (names,) if isinstance(names, str) else tuple(names)
         dims = [self.dim_index(name) for name in wanted]
+        for i, dim in enumerate(dims):
+            if dim in dims[:i]:
+                raise ValueError(
+                    f"mesh[{names!r}] names mesh dim {wanted[i]!r} more than once; name each dim at most once"
+                )
         coordinate = self._require_coordinate()
         index = tuple(slice(None) if d in dims else coordinate[d] for d in range(self.ndim))
         sub = self.mesh[index]
@@ -149,6 +162,19 @@ class DeviceMesh:
         )
 
     # ----- value semantics -------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The description only: the world and its communicators belong to the running job.
+        from spmd.tensor.serialization import rebuild_device_mesh
+
+        return rebuild_device_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names)
+
+    def __copy__(self) -> DeviceMesh:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceMesh:
+        # A mesh is an immutable value bound to the running world: copies share it.
+        return self
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
@@ -173,6 +199,32 @@ class DeviceMesh:
     def __str__(self) -> str:
         names = self.mesh_dim_names or tuple(f"d{i}" for i in range(self.ndim))
         return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, self._shape)) + ")"
+
+
+def _ranks_tensor(mesh: torch.Tensor | Sequence[Any]) -> torch.Tensor:
+    """``mesh`` as an int64 tensor of ranks (at least 1-d), refusing anything but integer ranks."""
+    try:
+        ranks = torch.as_tensor(mesh, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"a DeviceMesh takes a (nested) list or tensor of integer ranks, got {mesh!r} ({error})"
+        ) from None
+    if ranks.numel() == 0:
+        raise ValueError(f"a DeviceMesh needs at least one rank, got {mesh!r}")
+    if ranks.dtype == torch.bool or ranks.is_floating_point() or ranks.is_complex() or _holds_bool(mesh):
+        raise ValueError(
+            f"DeviceMesh ranks must be integers, got {mesh!r}; pass ints such as "
+            f"{torch.arange(ranks.numel()).reshape(ranks.shape).tolist()}"
+        )
+    ranks = ranks.to(torch.int64)
+    return ranks.reshape(1) if ranks.ndim == 0 else ranks
+
+
+def _holds_bool(mesh: object) -> bool:
+    # torch.as_tensor turns [0, True] into int64, so look at the Python values themselves.
+    if isinstance(mesh, bool):
+        return True
+    return isinstance(mesh, (list, tuple)) and any(_holds_bool(item) for item in mesh)
 
 
 def init_device_mesh(

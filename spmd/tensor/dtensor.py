@@ -60,6 +60,17 @@ class DTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"DTensor(local_tensor={self._local_tensor}, spec={self._spec})"
 
+    # ----- pickle / torch.save / deepcopy (see spmd/tensor/serialization.py) ------------------------
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        from spmd.tensor import serialization
+
+        return serialization.reduce_dtensor(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        from spmd.tensor import serialization
+
+        return serialization.deepcopy_dtensor(self, memo)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return _dispatcher().dispatch(func, args, kwargs or {})
@@ -90,8 +101,23 @@ class DTensor(torch.Tensor):
         pass ``shape`` for uneven ones, or ``run_check=True`` to gather every rank's local shape,
         check them against each other and, for Replicate dims, broadcast the data of coordinate 0.
         """
+        if isinstance(local_tensor, DTensor):
+            raise TypeError(
+                f"from_local takes this rank's plain local tensor, got a DTensor ({local_tensor._spec}); "
+                "to change its placements call .redistribute(placements=...), or pass its .to_local()"
+            )
+        if not isinstance(local_tensor, torch.Tensor):
+            raise TypeError(
+                f"from_local takes this rank's local shard as one torch.Tensor, got {type(local_tensor).__name__}; "
+                "each rank passes only the piece it holds"
+            )
         if device_mesh is None:
             raise ValueError("from_local needs a device_mesh")
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(
+                f"from_local takes a DeviceMesh, got {type(device_mesh).__name__}; "
+                'build one with init_device_mesh("cpu", (world_size,))'
+            )
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         placements = normalize_placements(placements, device_mesh, local_tensor.ndim)

@@ -8,8 +8,8 @@ the redistribute executor. The uneven-shard arithmetic (``shard_sizes``) follows
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets"]
 
@@ -27,6 +27,10 @@ class Placement:
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild through the constructor (it validates), the same on every Python version.
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class TensorMeta:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return TensorMeta, (self.shape, self.stride, self.dtype)
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
@@ -68,6 +72,10 @@ class DTensorSpec:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Through the constructor: the hash depends on the mesh's world, which is the loader's.
+        return DTensorSpec, (self.mesh, self.placements, self.tensor_meta)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -75,6 +75,41 @@ class DeviceMeshTest(DTensorTestBase):
         with self.assertRaisesRegex(ValueError, "needs a mesh_dim"):
             mesh.get_local_rank()
 
+    @with_comms
+    def test_ranks_must_be_integers(self) -> None:
+        with self.assertRaisesRegex(ValueError, r"ranks must be integers, got \[0, 1.5, 2, 3\]; pass ints such as \[0, 1, 2, 3\]"):
+            DeviceMesh("cpu", [0, 1.5, 2, 3])
+        with self.assertRaisesRegex(ValueError, "ranks must be integers"):
+            DeviceMesh("cpu", torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+        with self.assertRaisesRegex(ValueError, "ranks must be integers"):
+            DeviceMesh("cpu", [False, True])
+        with self.assertRaisesRegex(ValueError, "ranks must be integers"):
+            DeviceMesh("cpu", [0, True, 2])
+        with self.assertRaisesRegex(ValueError, "at least one rank"):
+            DeviceMesh("cpu", [])
+        with self.assertRaisesRegex(ValueError, "a DeviceMesh takes a .*list or tensor of integer ranks"):
+            DeviceMesh("cpu", [[0, 1], [2]])
+        # integer tensors of any integer dtype are fine
+        mesh = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+        self.assertEqual(mesh.mesh.dtype, torch.int64)
+        self.assertEqual(mesh.mesh.tolist(), [[0, 1], [2, 3]])
+
+    @with_comms
+    def test_mesh_dim_names_must_be_a_tuple_of_names(self) -> None:
+        with self.assertRaisesRegex(TypeError, r"got the string 'dt'; pass a tuple such as \('dt',\)"):
+            init_device_mesh("cpu", (2, 4), mesh_dim_names="dt")
+        with self.assertRaisesRegex(TypeError, "mesh_dim_names must be strings"):
+            init_device_mesh("cpu", (2, 4), mesh_dim_names=(0, 1))  # type: ignore[arg-type]
+        self.assertEqual(init_device_mesh("cpu", (8,), mesh_dim_names=["dp"]).mesh_dim_names, ("dp",))
+
+    @with_comms
+    def test_sub_mesh_names_each_dim_once(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with self.assertRaisesRegex(ValueError, r"names mesh dim 'dp' more than once"):
+            mesh["dp", "dp"]
+        with self.assertRaisesRegex(ValueError, r"names mesh dim 'tp' more than once"):
+            mesh[("tp", "dp", "tp")]
+
 
 def test_a_mesh_over_part_of_the_world() -> None:
     def coordinates() -> tuple[int, ...] | None:

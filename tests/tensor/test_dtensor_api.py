@@ -114,6 +114,19 @@ class DTensorApiTest(DTensorTestBase):
             full.sum().backward()
 
     @with_comms
+    def test_from_local_takes_one_plain_local_tensor(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        pieces = list(torch.arange(8.0).chunk(4))
+        with self.assertRaisesRegex(TypeError, "as one torch.Tensor, got list; each rank passes only the piece it holds"):
+            DTensor.from_local(pieces, mesh, [Shard(0)])  # type: ignore[arg-type]
+        d = DTensor.from_local(pieces[self.rank], mesh, [Shard(0)])
+        with self.assertRaisesRegex(TypeError, r"got a DTensor .*call .redistribute\(placements=...\), or pass its .to_local\(\)"):
+            DTensor.from_local(d, mesh, [Replicate()])
+        with self.assertRaisesRegex(TypeError, "takes a DeviceMesh, got tuple"):
+            DTensor.from_local(pieces[self.rank], (4,), [Shard(0)])  # type: ignore[arg-type]
+        torch.testing.assert_close(d.full_tensor(), torch.arange(8.0))
+
+    @with_comms
     def test_wrong_number_of_placements(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
         with self.assertRaisesRegex(ValueError, "1 placements .* for a 2-d mesh.*one placement per mesh dim"):

@@ -159,6 +159,14 @@ class World(ABC):
     def create_groups(self, groups: list[tuple[int, ...]]) -> None:
         """Create communicators for ``groups``; every rank calls this with the same list, in order."""
 
+    def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The groups among ``groups`` that only a collective ``create_groups`` call could still make.
+
+        Lets one rank check, without talking to the others, whether a mesh can be rebuilt from its
+        description (when unpickling). Backends that make communicators locally have none missing.
+        """
+        return []
+
 
 def reduce_stack(stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
     """Reduce the blocks of ``stacked`` along dim 0 with ``reduce_op`` (the threaded backend's math)."""

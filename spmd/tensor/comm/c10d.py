@@ -139,6 +139,9 @@ class C10dWorld(World):
             raise RuntimeError(f"no process group for ranks {list(ranks)}; create the DeviceMesh on every rank")
         return comm
 
+    def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        return [ranks for ranks in groups if ranks not in self._created]
+
     def create_groups(self, groups: list[tuple[int, ...]]) -> None:
         for ranks in groups:
             # Non-members must still join new_group, so track creation apart from membership.

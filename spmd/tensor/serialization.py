@@ -1,0 +1,135 @@
+"""Pickling, ``torch.save``/``torch.load`` and ``copy.deepcopy`` of DTensors and DeviceMeshes.
+
+A DeviceMesh is saved as its description (device type, rank grid, dim names), never its world or
+communicators; loading rebuilds an equal mesh on the world the loader runs in. A DTensor is saved
+as this rank's local shard, its ``DTensorSpec``, ``requires_grad`` and its Python attributes (the
+``_is_param`` flag that makes ``nn.Parameter(dtensor)`` a Parameter). So each rank saves and loads
+its own file, inside a running world that already holds an equal mesh, as with torch's DTensor:
+
+    torch.save(model.state_dict(), f"ckpt.rank{rank}.pt")
+    model.load_state_dict(torch.load(f"ckpt.rank{rank}.pt", weights_only=True))
+
+Importing ``spmd.tensor`` allowlists the rebuild functions and value classes for
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spmd.tensor.comm import World, current_world
+from spmd.tensor.comm.threaded import current_threaded_world
+from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.placement import Partial, Replicate, Shard, format_placements
+from spmd.tensor.spec import DTensorSpec, TensorMeta
+
+__all__ = ["rebuild_device_mesh", "rebuild_dtensor", "reduce_dtensor", "deepcopy_dtensor", "register_safe_globals"]
+
+NO_WORLD_MESSAGE = (
+    "unpickling a DTensor or DeviceMesh needs the world it was saved in, and the caller is not a rank "
+    "of one: call torch.load / pickle.loads inside spmd.testing.run_threaded or after "
+    "torch.distributed.init_process_group, with an equal DeviceMesh created on every rank first"
+)
+
+
+def _running_world() -> World:
+    """The world the caller is a rank of, without starting one (that would be a collective)."""
+    threaded = current_threaded_world()
+    if threaded is not None:
+        return threaded
+    if dist.is_available() and dist.is_initialized():
+        return current_world()
+    raise RuntimeError(NO_WORLD_MESSAGE)
+
+
+def rebuild_device_mesh(device_type: str, ranks: list[Any], mesh_dim_names: tuple[str, ...] | None) -> DeviceMesh:
+    """An equal mesh on the caller's world, reusing the communicators that world already has."""
+    world = _running_world()
+    flat = torch.tensor(ranks).flatten().tolist()
+    if max(flat) >= world.size:
+        raise RuntimeError(
+            f"a DeviceMesh over ranks {ranks} was saved, but the world loading it has {world.size} ranks; "
+            "load it in a world of the size that saved it"
+        )
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
+    missing = world.missing_groups(mesh._groups())
+    if missing:
+        raise RuntimeError(
+            f"unpickling {mesh!r} needs its process groups, and the group of ranks {list(missing[0])} does "
+            "not exist yet; create an equal DeviceMesh (e.g. with init_device_mesh) on every rank before "
+            "loading: groups are made by all ranks together, which unpickling cannot do"
+        )
+    return mesh
+
+
+def reduce_dtensor(dtensor: DTensor) -> tuple[Any, ...]:
+    """``DTensor.__reduce_ex__``: the rebuild function and what it needs, all picklable."""
+    spec = dtensor._spec
+    try:
+        coordinate = spec.mesh.get_coordinate()
+    except RuntimeError:  # pickled outside its world (e.g. returned from run_threaded): nothing to check
+        coordinate = None
+    return rebuild_dtensor, (dtensor._local_tensor.detach(), spec, dtensor.requires_grad, coordinate, dict(dtensor.__dict__))
+
+
+def rebuild_dtensor(
+    local_tensor: torch.Tensor,
+    spec: DTensorSpec,
+    requires_grad: bool,
+    saved_coordinate: tuple[int, ...] | None,
+    attributes: dict[str, Any],
+) -> DTensor:
+    """The DTensor ``reduce_dtensor`` described, as a leaf (a Parameter again if it was one)."""
+    _check_loaded_by_its_rank(spec, saved_coordinate)
+    dtensor = DTensor(local_tensor, spec, requires_grad=requires_grad)
+    for name, value in attributes.items():
+        setattr(dtensor, name, value)
+    return dtensor
+
+
+def _check_loaded_by_its_rank(spec: DTensorSpec, saved_coordinate: tuple[int, ...] | None) -> None:
+    """Refuse a shard loaded on a rank that should hold different data (another rank's file)."""
+    here = spec.mesh.get_coordinate()
+    if saved_coordinate is None or here is None:
+        return
+    for d, p in enumerate(spec.placements):
+        if not isinstance(p, Replicate) and saved_coordinate[d] != here[d]:
+            raise ValueError(
+                f"a DTensor {spec} saved by the rank at mesh coordinate {saved_coordinate} is loaded by the "
+                f"rank at {here}; with placements {format_placements(spec.placements)} their shards differ, "
+                "so load on each rank the file that rank saved"
+            )
+
+
+def deepcopy_dtensor(dtensor: DTensor, memo: dict[int, Any]) -> DTensor:
+    """``DTensor.__deepcopy__``: a new local tensor (and grad), the same spec and mesh."""
+    if id(dtensor) in memo:
+        return memo[id(dtensor)]
+    if not dtensor.is_leaf:
+        raise RuntimeError(
+            "only leaf DTensors can be deep-copied, as with plain tensors; this one was computed with "
+            f"autograd (grad_fn={type(dtensor.grad_fn).__name__}); deepcopy dtensor.detach() instead"
+        )
+    result = DTensor(copy.deepcopy(dtensor._local_tensor, memo), dtensor._spec, requires_grad=dtensor.requires_grad)
+    if dtensor.grad is not None:
+        result.grad = copy.deepcopy(dtensor.grad, memo)
+    for name, value in dtensor.__dict__.items():
+        setattr(result, name, copy.deepcopy(value, memo))
+    memo[id(dtensor)] = result
+    return result
+
+
+def register_safe_globals() -> None:
+    """Let ``torch.load(weights_only=True)`` call our rebuild functions and build our values."""
+    add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
+    if add_safe_globals is None:  # torch releases before 2.4 have no weights-only allowlist
+        return
+    add_safe_globals([rebuild_dtensor, rebuild_device_mesh, DTensorSpec, TensorMeta, Shard, Replicate, Partial])
+
+
+register_safe_globals()
