@@ -1,0 +1,288 @@
+"""fully_shard (ZeRO-3): alone on a mesh of 4, and composed with tensor parallelism on (dp, tp) = (2, 2).
+
+A small transformer-like model trains three AdamW steps on a dp-sharded batch and must match the
+same steps on one device; the tests also check where the shards live, how much each rank holds,
+which collectives run in forward and backward, and that gathered parameters are freed after forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spmd.fsdp import fully_shard
+from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from spmd.testing import run_threaded
+from spmd.testing.multiprocess import run_multiprocess
+
+VOCAB, DIM, LAYERS, BATCH, SEQ = 32, 16, 2, 8, 6
+STEPS = 3
+
+
+# ----- the model: plain torch ---------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = nn.RMSNorm(dim), Attention(dim)
+        self.mlp_norm, self.mlp = nn.RMSNorm(dim), MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(DIM) for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def build_model() -> TinyGPT:
+    model = TinyGPT()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen)
+
+
+TP_PLAN = {
+    "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "layers.*.attn_norm": SequenceParallel(),
+    "layers.*.attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+    "layers.*.attn.q": ColwiseParallel(),
+    "layers.*.attn.k": ColwiseParallel(),
+    "layers.*.attn.v": ColwiseParallel(),
+    "layers.*.attn.out": RowwiseParallel(output_layouts=Shard(1)),
+    "layers.*.mlp_norm": SequenceParallel(),
+    "layers.*.mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+    "layers.*.mlp.up": ColwiseParallel(),
+    "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "lm_head": ColwiseParallel(input_layouts=Shard(1)),
+}
+
+
+def shard_model(model: TinyGPT, mesh: DeviceMesh, **options: bool) -> TinyGPT:
+    """torchtitan's order: fully_shard each block, then the root (which takes the rest)."""
+    for block in model.layers:
+        fully_shard(block, mesh, **options)
+    fully_shard(model, mesh, **options)
+    return model
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    with loss_parallel():
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
+        loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+    return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+
+
+def single_device_run() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build_model()
+    optimizer = make_optimizer(model)
+    losses = [train_step(model, optimizer, *batch(step)) for step in range(STEPS)]
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+
+def distributed_run(mesh_shape: tuple[int, ...], *, tp: bool) -> dict[str, object]:
+    """Train on the current world (threads or gloo processes); what the tests compare."""
+    names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    model = build_model()
+    if tp:
+        parallelize_module(model, mesh, TP_PLAN)
+    shard_model(model, mesh)
+    optimizer = make_optimizer(model)
+    placements = tuple(Shard(0) if name == "dp" else Replicate() for name in names)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = (distribute_tensor(t, mesh, placements, src_data_rank=None) for t in batch(step))
+        with loss_parallel():
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()  # type: ignore[no-untyped-call]
+        if step == STEPS - 1:  # gradients are laid out like their (sharded) parameters
+            grads_like_params = all(p.grad.placements == p.placements for p in model.parameters())
+            grad_bytes = sum(local_bytes(p.grad) for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.full_tensor().item())
+    state_bytes = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
+    param_bytes = sum(local_bytes(p) for p in model.parameters())
+    return {
+        "losses": losses,
+        "params": {name: p.full_tensor() for name, p in model.named_parameters()},
+        "placements": {name: p.placements for name, p in model.named_parameters()},
+        "grads_like_params": grads_like_params,
+        "bytes": param_bytes + grad_bytes + state_bytes,
+    }
+
+
+def check_against_one_device(per_rank: list[dict[str, object]], world: int) -> None:
+    losses, params = single_device_run()
+    full_bytes = 4 * sum(p.nbytes for p in params.values())  # params + grads + AdamW's two moments
+    for result in per_rank:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-5)
+        for name, value in result["params"].items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(value, params[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert result["grads_like_params"]
+    total = sum(r["bytes"] for r in per_rank)  # type: ignore[misc]
+    assert total == pytest.approx(full_bytes, rel=0.15), "the shards add up to about one model"
+    for result in per_rank:  # every rank holds about 1/world of params + grads + optimizer state
+        assert result["bytes"] / full_bytes < 1.25 / world, (result["bytes"], full_bytes)
+
+
+# ----- tests --------------------------------------------------------------------------------------
+def test_fsdp_on_a_mesh_of_4_trains_like_one_device() -> None:
+    per_rank = run_threaded(distributed_run, 4, (4,), tp=False)
+    check_against_one_device(per_rank, 4)
+    placements = per_rank[0]["placements"]
+    assert placements["layers.0.attn.q.weight"] == (Shard(0),)  # type: ignore[index]
+
+
+def test_fsdp_x_tp_on_2x2_trains_like_one_device() -> None:
+    per_rank = run_threaded(distributed_run, 4, (2, 2), tp=True)
+    check_against_one_device(per_rank, 4)
+    placements = per_rank[0]["placements"]
+    # tp already cuts dim 0 of a column-wise weight: dp cuts dim 1, so gathering over dp is a plain all_gather
+    assert placements["layers.0.attn.q.weight"] == (Shard(1), Shard(0))  # type: ignore[index]
+    assert placements["layers.0.attn.out.weight"] == (Shard(0), Shard(1))  # type: ignore[index]
+    assert placements["layers.0.mlp.up.bias"] == (Replicate(), Shard(0))  # type: ignore[index]  # nothing left to cut
+    assert placements["layers.0.attn_norm.weight"] == (Shard(0), Replicate())  # type: ignore[index]
+    assert placements["tok_emb.weight"] == (Shard(1), Shard(0))  # type: ignore[index]
+
+
+def collectives_per_block(reshard_after_forward: bool) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = shard_model(parallelize_module(build_model(), mesh, TP_PLAN), mesh, reshard_after_forward=reshard_after_forward)
+    tokens, targets = (distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in batch(0))
+    with CommDebugMode() as comm:
+        logits = model(tokens)
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).backward()
+    return comm.get_per_module_comm_counts(backward=False), comm.get_per_module_comm_counts(backward=True)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_after_forward: bool) -> None:
+    forward, backward = run_threaded(collectives_per_block, 4, reshard_after_forward)[0]
+    sharded = 9  # per block: 2 norms, q/k/v/out, up/down weights and down's bias (up's bias is cut by tp only)
+    for i in range(LAYERS):
+        name = f"TinyGPT.layers.{i}"
+        # forward: one all_gather per sharded parameter, plus the sequence-parallel gathers of the
+        # attention and MLP inputs (tp)
+        assert forward[name]["all_gather"] == sharded + 2
+        regathered = sharded if reshard_after_forward else 0
+        assert backward[name].get("all_gather", 0) == regathered + 2, backward[name]
+        # one reduce_scatter per sharded gradient (dp), plus the norms' and the inputs' ones over tp
+        assert backward[name]["reduce_scatter"] >= sharded, backward[name]
+
+
+def test_gathered_parameters_are_freed_after_forward() -> None:
+    def run() -> tuple[int, int, int]:
+        mesh = init_device_mesh("cpu", (4,))
+        model = shard_model(build_model(), mesh)
+        seen: list[DTensor] = []
+        model.layers[0].mlp.up.register_forward_hook(lambda mod, args, out: seen.append(mod.weight))
+        tokens, targets = (distribute_tensor(t, mesh, [Shard(0)]) for t in batch(0))
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
+        gathered = seen[0]
+        # inside forward the module computed with the whole weight; the registered one is the shard
+        assert gathered.placements == (Replicate(),) and model.layers[0].mlp.up.weight.placements == (Shard(0),)
+        between = gathered.to_local().untyped_storage().nbytes()
+        loss.backward()
+        return between, gathered.to_local().numel(), model.layers[0].mlp.up.weight.to_local().numel()
+
+    between, gathered_numel, shard_numel = run_threaded(run, 4)[0]
+    assert between == 0, "the gathered copy is freed between forward and backward"
+    assert gathered_numel == 4 * shard_numel == 4 * DIM * DIM
+
+
+def test_errors_say_what_to_do() -> None:
+    def run() -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = fully_shard(build_model(), mesh)
+        with pytest.raises(RuntimeError, match="already called"):
+            fully_shard(model, mesh)
+        with pytest.raises(ValueError, match=r"submodules \(blocks\) before their parent"):
+            fully_shard(model.layers[0], mesh)
+        on_sub_mesh = parallelize_module(build_model(), mesh["tp"], {"lm_head": ColwiseParallel()})
+        with pytest.raises(ValueError, match=r"same mesh .*not mesh\[\"tp\"\]"):
+            fully_shard(on_sub_mesh, mesh)
+        unnamed = init_device_mesh("cpu", (2, 2))
+        with pytest.raises(ValueError, match="dp_mesh_dim="):
+            fully_shard(build_model(), unnamed)
+
+    run_threaded(run, 4)
+
+
+def _gloo_fsdp_x_tp() -> dict[str, object]:
+    torch.set_num_threads(1)
+    return distributed_run((2, 2), tp=True)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_x_tp_on_4_gloo_processes() -> None:
+    per_rank = run_multiprocess(_gloo_fsdp_x_tp, 4, timeout=240)
+    check_against_one_device(per_rank, 4)
+
