@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 from spmd.checkpoint.errors import CheckpointError
 from spmd.checkpoint.threaded_coordinator import load_over, save_over
@@ -30,12 +31,13 @@ __all__ = ["save", "load", "reduce_partials"]
 def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str]) -> Metadata:
     """Save ``state_dict`` (nested dicts/lists of DTensors, tensors and plain values) to a directory.
 
-    Every rank calls it. Each DTensor block is written once, by one rank; ``Partial`` DTensors are
+    Every rank calls it. Top-level values with ``state_dict()``/``load_state_dict()`` (a module, an
+    optimizer) are saved as their ``state_dict()``, as ``dcp.save`` does. Each DTensor block is written once, by one rank; ``Partial`` DTensors are
     reduced first (see ``reduce_partials``). ``.metadata`` is written last, after every rank's data.
     DCP overwrites a checkpoint in place, so save each checkpoint to its own directory (e.g.
     ``ckpt/step-100``). Raises ``CheckpointError`` on every rank if any rank fails.
     """
-    state_dict = reduce_partials(state_dict)
+    state_dict = reduce_partials({key: _as_state_dict(value) for key, value in state_dict.items()})
     writer = FileSystemWriter(checkpoint_id)
     planner = DefaultSavePlanner()
     comm = _threaded_world_communicator()
@@ -50,19 +52,26 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str]) -> M
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str]) -> None:
-    """Load a checkpoint into ``state_dict`` in place: every DTensor gets its own block, whatever
-    mesh and placements the checkpoint was saved with.
+    """Load a checkpoint into ``state_dict`` in place, each DTensor in its own mesh and placements.
 
     ``state_dict`` names what to load and how to lay it out (e.g. ``get_state_dict`` of a fresh
-    model and optimizer); tensors are filled in place, plain values are replaced. A key missing from
-    the checkpoint or a shape that differs raises ``CheckpointError`` naming the key (and both
-    shapes), on every rank.
+    model and optimizer), whatever layout the checkpoint was saved from; tensors are filled in
+    place, plain values are replaced, and top-level values with ``load_state_dict`` get it called.
+    A key missing from the checkpoint or a shape that differs raises ``CheckpointError`` naming the
+    key (and both shapes), on every rank.
     """
     reader = FileSystemReader(checkpoint_id)
     planner = DefaultLoadPlanner()
     comm = _threaded_world_communicator()
     if comm is not None:
-        load_over(comm, state_dict, reader, planner)
+        # dcp.load does the same for Stateful values itself.
+        inner = {key: _as_state_dict(value) for key, value in state_dict.items()}
+        load_over(comm, inner, reader, planner)
+        for key, value in state_dict.items():
+            if isinstance(value, Stateful):
+                value.load_state_dict(inner[key])
+            else:
+                state_dict[key] = inner[key]
         return
     with _as_checkpoint_error():
         if dist.is_initialized():
@@ -89,6 +98,10 @@ def reduce_partials(state_dict: Any) -> Any:
     if isinstance(state_dict, list):
         return [reduce_partials(value) for value in state_dict]
     return state_dict
+
+
+def _as_state_dict(value: Any) -> Any:
+    return value.state_dict() if isinstance(value, Stateful) else value
 
 
 def _threaded_world_communicator() -> Communicator | None:

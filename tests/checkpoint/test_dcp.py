@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +269,59 @@ def test_model_and_optimizer_resume_on_another_layout(tmp_path: Path) -> None:
     for resumed in run_threaded(resume, 2, path, (2,)):
         assert_resumed(saved, resumed, bitwise=False)
     assert_resumed(saved, run_threaded(resume, 4, path, (2, 2))[3], bitwise=False)
+
+
+def test_replicas_on_sub_meshes_are_written_once(tmp_path: Path) -> None:
+    """Tensor parallel over the "tp" sub-mesh of a (2, 2) mesh: ranks 0-1 and 2-3 hold the same
+    parameters on two different meshes; DCP's plan dedup keeps one copy of each block."""
+    path = str(tmp_path / "tp-submesh")
+
+    def save_on_submesh() -> dict[str, torch.Tensor]:
+        model, optimizer = build(seed=0, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], lr=0.01)
+        train(model, optimizer, range(2))
+        model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
+        checkpoint.save({"model": model_sd, "optim": optim_sd, "step": 2}, path)
+        return full_state(model, optimizer)
+
+    saved = run_threaded(save_on_submesh, 4)[0]
+    metadata = FileSystemReader(path).read_metadata()
+    assert len(metadata.state_dict_metadata["model.up.weight"].chunks) == 2  # type: ignore[union-attr]
+    assert len(metadata.state_dict_metadata["model.down.bias"].chunks) == 1  # type: ignore[union-attr]
+    loaded_state, _ = run_threaded(resume, 4, path, (4,))[0]
+    for key, value in saved.items():
+        assert torch.equal(loaded_state[key], value), key
+
+
+def test_a_module_is_saved_and_loaded_as_its_state_dict(tmp_path: Path) -> None:
+    path = str(tmp_path / "module")
+
+    def save_then_load() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2,))
+        model, _ = build(seed=0, mesh=mesh, lr=0.01)
+        checkpoint.save({"model": model, "step": 3}, path)
+        fresh, _ = build(seed=1, mesh=mesh, lr=0.01)
+        state = {"model": fresh, "step": 0}
+        checkpoint.load(state, path)
+        assert state["model"] is fresh and state["step"] == 3
+        return (
+            {k: v.full_tensor() for k, v in model.state_dict().items()},
+            {k: v.full_tensor() for k, v in fresh.state_dict().items()},
+        )
+
+    for saved, loaded in run_threaded(save_then_load, 2):
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+
+
+def test_importing_spmd_tensor_does_not_import_dcp() -> None:
+    """Only spmd.checkpoint imports torch.distributed.checkpoint (which imports torch.distributed.tensor)."""
+    code = (
+        "import sys, torch, spmd.tensor, spmd.tensor_parallel, spmd.tensor.checkpoint_protocol\n"
+        "leaked = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]\n"
+        "assert not leaked, leaked"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_optimizer_state_is_keyed_by_parameter_name() -> None:
