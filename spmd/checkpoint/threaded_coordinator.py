@@ -42,7 +42,7 @@ COORDINATOR = 0
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Outcome:
     """What one rank contributes to a step: its value, or the error it raised."""
 

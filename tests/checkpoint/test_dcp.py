@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from spmd import checkpoint
 from spmd.checkpoint import CheckpointError
+from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.checkpoint_protocol import PartialPlacementError, create_write_items
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -41,6 +42,7 @@ SAVE_LAYOUTS: dict[str, tuple[tuple[int, ...], list[Placement]]] = {
     "rows_twice": ((2, 2), [S0, S0]),  # rows cut by mesh dim 0, then each piece again by dim 1
     "partial": ((2, 2), [Partial(), S1]),
     "ints": ((4,), [S1]),
+    "empty": ((4,), [S0]),  # no elements: only the shape is recorded
 }
 # how many chunks each tensor is saved as, and which ranks write them: one copy of each block
 EXPECTED_WRITERS = {
@@ -51,6 +53,7 @@ EXPECTED_WRITERS = {
     "rows_twice": [0, 1, 2, 3],
     "partial": [0, 1],
     "ints": [0, 1, 2, 3],
+    "empty": [0],
 }
 
 
@@ -69,6 +72,7 @@ def full_tensors() -> dict[str, torch.Tensor]:
         "rows_twice": randn(9, 3, seed=5),
         "partial": partial_addends().sum(0),
         "ints": torch.arange(30).reshape(3, 10),
+        "empty": torch.zeros(0, 5),
     }
 
 
@@ -189,14 +193,19 @@ class MLP(nn.Module):
         return self.down(F.relu(self.up(x)))
 
 
-def build(seed: int, mesh: DeviceMesh, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A seeded MLP, tensor-parallel over ``mesh``, and its AdamW (per-parameter loop: foreach=False)."""
+def build(
+    seed: int, mesh: DeviceMesh, lr: float, *, fully_sharded: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A seeded MLP, tensor-parallel over ``mesh`` (its "tp" dim if 2-d) and, if ``fully_sharded``,
+    also sharded over its "dp" dim; and its AdamW (per-parameter loop: foreach=False)."""
     model = MLP()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if fully_sharded:
+        fully_shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
     return model, optimizer
 
@@ -228,19 +237,32 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {key: value.clone() for key, value in result.items()}
 
 
-def train_and_save(path: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train 2 steps tensor-parallel over 4 ranks, save, then train 2 more; return the saved state and losses."""
-    model, optimizer = build(seed=0, mesh=init_device_mesh("cpu", (4,)), lr=0.01)
+def train_and_save(path: str, fully_sharded: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train 2 steps tensor-parallel over 4 ranks (or FSDP x TP on (2, 2)), save, then train 2 more;
+    return the saved state and the losses of the last 2 steps."""
+    if fully_sharded:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model, optimizer = build(seed=0, mesh=mesh, lr=0.01, fully_sharded=True)
+    else:
+        model, optimizer = build(seed=0, mesh=init_device_mesh("cpu", (4,)), lr=0.01)
     train(model, optimizer, range(2))
     model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
     checkpoint.save({"model": model_sd, "optim": optim_sd, "step": 2}, path)
     return full_state(model, optimizer), train(model, optimizer, range(2, 4))
 
 
-def resume(path: str, mesh_shape: tuple[int, ...]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """A fresh model and optimizer (other weights, other lr) on another layout, loaded, then trained on."""
+def resume(
+    path: str, mesh_shape: tuple[int, ...], fully_sharded: bool = False
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """A fresh model and optimizer (other weights, other lr) on another layout, loaded, then trained on.
+
+    On a 2-d mesh: FSDP x TP if ``fully_sharded``, else TP over the "tp" sub-mesh (dp replicas).
+    """
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape) :])
-    model, optimizer = build(seed=1, mesh=mesh["tp"] if mesh.ndim == 2 else mesh, lr=0.5)
+    if fully_sharded:
+        model, optimizer = build(seed=1, mesh=mesh, lr=0.5, fully_sharded=True)
+    else:
+        model, optimizer = build(seed=1, mesh=mesh["tp"] if mesh.ndim == 2 else mesh, lr=0.5)
     model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": 0}
     checkpoint.load(state, path)
@@ -269,6 +291,14 @@ def test_model_and_optimizer_resume_on_another_layout(tmp_path: Path) -> None:
     for resumed in run_threaded(resume, 2, path, (2,)):
         assert_resumed(saved, resumed, bitwise=False)
     assert_resumed(saved, run_threaded(resume, 4, path, (2, 2))[3], bitwise=False)
+
+
+def test_fully_sharded_and_tensor_parallel_round_trip(tmp_path: Path) -> None:
+    """FSDP x TP on a (2, 2) mesh -> TP over 2 ranks, and back into FSDP x TP."""
+    path = str(tmp_path / "fsdp")
+    saved = run_threaded(train_and_save, 4, path, True)[0]
+    assert_resumed(saved, run_threaded(resume, 2, path, (2,))[1], bitwise=False)
+    assert_resumed(saved, run_threaded(resume, 4, path, (2, 2), True)[2], bitwise=True)
 
 
 def test_replicas_on_sub_meshes_are_written_once(tmp_path: Path) -> None:
