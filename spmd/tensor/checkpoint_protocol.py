@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from spmd.tensor.dtensor import DTensor
 
-__all__ = ["PartialPlacementError", "create_write_items", "create_chunk_list", "get_tensor_shard", "writes_chunk"]
+__all__ = ["PartialPlacementError", "create_write_items", "create_chunk_list", "get_tensor_shard", "owned_chunk"]
 
 
 class PartialPlacementError(RuntimeError):
@@ -69,28 +69,27 @@ def _local_chunk(dtensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | 
     return local_shape_and_offset(spec.shape, spec.mesh, spec.placements, coordinate)
 
 
-def writes_chunk(dtensor: DTensor) -> bool:
-    """Whether the calling rank is the one that saves its block of ``dtensor``.
+def owned_chunk(dtensor: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(sizes, offsets) of the caller's block if the caller is the rank that saves it, else None.
 
-    It is the rank at coordinate 0 of every mesh dim that does not shard the tensor (its block is
-    a copy of theirs), holding a non-empty block, or, for a tensor with no elements at all, the
-    rank at the mesh origin (so the checkpoint still records the tensor's shape).
+    The owner is the rank at coordinate 0 of every mesh dim that does not shard the tensor (the
+    others hold copies of its block), if its block is not empty; for a tensor with no elements at
+    all, the rank at the mesh origin (so that the checkpoint still records the tensor's shape).
     """
     spec = dtensor._spec
     coordinate = spec.mesh.get_coordinate()
-    chunk = _local_chunk(dtensor)
-    if coordinate is None or chunk is None:
-        return False
+    if coordinate is None:
+        return None
     if any(c != 0 for c, p in zip(coordinate, spec.placements) if not isinstance(p, Shard)):
-        return False
-    sizes, _ = chunk
-    if math.prod(sizes) > 0:
-        return True
-    return math.prod(spec.shape) == 0 and all(c == 0 for c in coordinate)
+        return None
+    sizes, offsets = local_shape_and_offset(spec.shape, spec.mesh, spec.placements, coordinate)
+    if math.prod(sizes) > 0 or (math.prod(spec.shape) == 0 and not any(coordinate)):
+        return sizes, offsets
+    return None
 
 
 def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
-    """The write item of this rank's block, if this rank is its owner (see ``writes_chunk``)."""
+    """The write item of this rank's block, if this rank owns it (see ``owned_chunk``)."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         MetadataIndex,
@@ -99,10 +98,9 @@ def create_write_items(fqn: str, dtensor: DTensor) -> list[WriteItem]:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     _refuse_partial(fqn, dtensor, "save")
-    if not writes_chunk(dtensor):
+    chunk = owned_chunk(dtensor)
+    if chunk is None:
         return []
-    chunk = _local_chunk(dtensor)
-    assert chunk is not None  # writes_chunk checked the caller is in the mesh
     sizes, offsets = torch.Size(chunk[0]), torch.Size(chunk[1])
     return [
         WriteItem(
