@@ -1,15 +1,17 @@
 """Train a small GPT-style decoder with tensor + data parallelism on a 2-d mesh (dp=2, tp=2).
 
-Every parameter is a DTensor on the mesh: replicated over ``dp`` and Megatron-sharded over ``tp``
-(column-wise q/k/v and MLP up, row-wise attention out and MLP down, so heads split across tp). The
-batch is a DTensor sharded over ``dp``, so each data-parallel rank trains on its own slice and the
-gradients of dp-replicated parameters come back ``Partial(sum)`` over dp; a gradient hook lays each
-one out like its parameter, so the reduction is planned from placements, not written as an
-all-reduce loop. The loss is computed vocab-parallel
+Every parameter is a DTensor on the mesh. ``parallelize_module(model, mesh, tp_plan(...))`` shards
+it Megatron-style over ``tp`` (column-wise q/k/v and MLP up, row-wise attention out and MLP down,
+so heads split across tp). The batch is a DTensor sharded over ``dp``, so each data-parallel rank
+trains on its own slice. Over ``dp`` parameters are either replicated (their gradients come back
+``Partial(sum)`` over dp and a gradient hook reduces them to the parameter's layout) or, with
+``--fsdp``, fully sharded (ZeRO-3: ``fully_shard`` per block and on the root gathers them for
+forward and backward only and reduce-scatters the gradients). The loss is computed vocab-parallel
 (``loss_parallel``) on the tp-sharded logits.
 
     python examples/train_transformer.py                        # 4 ranks as threads of one process
     python examples/train_transformer.py --check                # also compare with one device
+    python examples/train_transformer.py --fsdp --check         # parameters, grads, AdamW state / (dp*tp)
     python examples/train_transformer.py --no-sequence-parallel # norms on whole (replicated) activations
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
@@ -33,9 +35,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor_parallel import loss_parallel
+from spmd.tensor_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from spmd.testing import run_threaded
 
 try:
@@ -62,6 +73,8 @@ class Config:
     tp: int = 2
     sequence_parallel: bool = True
     """Run the norms on activations sharded over tp on the sequence dim."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over dp too (ZeRO-3) instead of replicating them."""
 
 
 # ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
@@ -148,53 +161,68 @@ def batch_at(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----- 2-d parallelism: tensor parallel over "tp", data parallel over "dp" -----------------------
-def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT:
-    """Make every parameter a DTensor [Replicate() over dp, its tp layout] and lay out activations.
+def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron tensor parallelism for the GPT, as torchtitan writes it for Llama.
 
-    tp layouts: column-wise Linears (q, k, v, up, lm_head) shard the weight's rows (Shard(0)) and
-    produce feature-sharded outputs; row-wise ones (out, down) shard the columns (Shard(1)) and
-    produce Partial(sum) outputs, reduced right there (all_reduce, or reduce_scatter to sequence
-    shards with ``sequence_parallel``). Embeddings and norms are replicated over tp.
+    Column-wise q/k/v and MLP up shard the heads and the hidden features; row-wise attention out and
+    MLP down reduce their partial sums (all_reduce, or reduce_scatter to sequence shards with
+    ``sequence_parallel``, which then runs the norms on Shard(1) activations). The embedding is
+    row-wise (vocab rows split over tp) and the head column-wise, so the logits stay vocab-sharded
+    for ``loss_parallel``. On the (dp, tp) mesh the styles act on tp; the batch stays Shard(0) over dp.
     """
-    activation_tp: Placement = Shard(1) if sequence_parallel else Replicate()
+    activations: Placement = Shard(1) if sequence_parallel else Replicate()
+    gather_input = PrepareModuleInput(input_layouts=activations, desired_input_layouts=Replicate())
+    plan: dict[str, ParallelStyle] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=activations),
+        "layers.*.attn": gather_input,
+        "layers.*.attn.q": ColwiseParallel(),
+        "layers.*.attn.k": ColwiseParallel(),
+        "layers.*.attn.v": ColwiseParallel(),
+        "layers.*.attn.out": RowwiseParallel(output_layouts=activations),
+        "layers.*.mlp": gather_input,
+        "layers.*.mlp.up": ColwiseParallel(),
+        "layers.*.mlp.down": RowwiseParallel(output_layouts=activations),
+        "lm_head": ColwiseParallel(input_layouts=activations),
+    }
+    if sequence_parallel:
+        plan.update({name: SequenceParallel() for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
+    return plan
 
-    def shard_parameters(module: nn.Module, tp_layout: Placement) -> None:
-        for name, param in list(module.named_parameters(recurse=False)):
-            placements = (Replicate(), tp_layout)
-            dtensor = nn.Parameter(distribute_tensor(param.detach(), mesh, placements))
-            # The gradient arrives Partial(sum) over dp (each dp rank saw its own slice of the batch);
-            # laying it out like the parameter reduces it once, in backward, instead of once per
-            # optimizer op that reads it (AdamW reads each gradient three times).
-            dtensor.register_hook(  # type: ignore[no-untyped-call]
-                lambda grad, placements=placements: grad.redistribute(mesh, placements)
-            )
-            module.register_parameter(name, dtensor)
 
-    def relayout_input(module: nn.Module, tp_layout: Placement) -> None:
-        module.register_forward_pre_hook(
-            lambda _mod, args: (args[0].redistribute(mesh, [Shard(0), tp_layout]), *args[1:])
-        )
+def replicate_over_dp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Plain data parallelism: every parameter whole on each dp rank, its gradient reduced over dp.
 
-    def relayout_output(module: nn.Module, tp_layout: Placement) -> None:
-        module.register_forward_hook(lambda _mod, _args, out: out.redistribute(mesh, [Shard(0), tp_layout]))
+    Parameters the tp plan left plain (position embedding, norms without sequence parallelism) become
+    replicated DTensors. A dp-sharded batch makes each gradient Partial(sum) over dp; a hook lays it
+    out like its parameter, so the reduction runs once, in backward, instead of once per optimizer
+    op that reads it (AdamW reads each gradient three times).
+    """
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if not isinstance(param, DTensor):
+                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim))
+                module.register_parameter(name, param)
+            placements = param.placements  # type: ignore[attr-defined]
+            param.register_hook(lambda grad, placements=placements: grad.redistribute(mesh, placements))  # type: ignore[no-untyped-call]
+    return model
 
-    shard_parameters(model, Replicate())  # pos_emb
-    shard_parameters(model.tok_emb, Replicate())
-    relayout_output(model.tok_emb, activation_tp)
+
+def apply_fsdp(model: GPT, mesh: DeviceMesh) -> GPT:
+    """ZeRO-3 over dp: each block, then the root (embeddings, final norm, head), as torchtitan does."""
     for block in model.layers:
-        assert isinstance(block, Block)
-        for norm in (block.attn_norm, block.mlp_norm):
-            shard_parameters(norm, Replicate())
-        for colwise in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up):
-            shard_parameters(colwise, Shard(0))
-        for rowwise in (block.attn.out, block.mlp.down):
-            shard_parameters(rowwise, Shard(1))
-            relayout_output(rowwise, activation_tp)
-        relayout_input(block.attn, Replicate())  # all_gather of the sequence shards under SP
-        relayout_input(block.mlp, Replicate())
-    shard_parameters(model.norm, Replicate())
-    shard_parameters(model.lm_head, Shard(0))  # logits sharded on the vocab: loss_parallel
-    relayout_input(model.lm_head, Replicate())
+        fully_shard(block, mesh)
+    fully_shard(model, mesh)
+    return model
+
+
+def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False) -> GPT:
+    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``."""
+    parallelize_module(model, mesh, tp_plan(sequence_parallel=sequence_parallel))
+    if fsdp:
+        return apply_fsdp(model, mesh)
+    replicate_over_dp(model, mesh)
     return model
 
 
@@ -202,25 +230,29 @@ def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = F
 def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor
 ) -> float:
-    """One step of next-token prediction; returns the loss (the mean over the global batch)."""
+    """One step of next-token prediction; returns the loss (the mean over the global batch).
+
+    The gradients are cleared at the start, so after the step they are there to be looked at.
+    """
+    optimizer.zero_grad()
     logits = model(inputs)
     with loss_parallel():
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
         loss.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
-    optimizer.zero_grad()
     return float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    # foreach=False: one op per parameter (the multi-tensor kernels are not yet DTensor ops here)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=False)
 
 
 def train(cfg: Config) -> list[float]:
     """Train on the (dp, tp) mesh of the current world (threads or torchrun processes); the loss per step."""
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     is_rank_0 = mesh.get_rank() == 0
-    model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel)
+    model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp)
     optimizer = make_optimizer(model, cfg)
 
     def place(batch: torch.Tensor) -> DTensor:
@@ -237,7 +269,7 @@ def train(cfg: Config) -> list[float]:
             losses.append(train_step(model, optimizer, place(inputs), place(targets)))
         progress.update(step, losses[-1])
     progress.close()
-    rows = _memory_rows(model, mesh)
+    rows = _memory_rows(model, optimizer, mesh)  # after the last step: parameters, gradients, AdamW state
     if is_rank_0:
         _print_summary(cfg, rows, comm)
     return losses
@@ -284,30 +316,68 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _memory_rows(model: nn.Module, mesh: DeviceMesh) -> list[tuple[int, int]]:
-    """(rank, bytes of its local parameter shards) for every rank, gathered over the mesh."""
-    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
-    value: Any = (mesh.get_rank(), local)
+@dataclass(frozen=True)
+class MemoryRow:
+    """Bytes one rank holds of the training state: its local shards."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+
+def _memory_rows(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> list[MemoryRow]:
+    """Every rank's bytes of parameters, gradients and optimizer state (tensors, not the step count)."""
+    params = list(model.parameters())
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.ndim]
+    mine = MemoryRow(
+        mesh.get_rank(),
+        sum(_local_bytes(p) for p in params),
+        sum(_local_bytes(p.grad) for p in params),
+        sum(_local_bytes(v) for v in state),
+    )
+    value: Any = mine
     for d in reversed(range(mesh.ndim)):
         value = mesh.get_communicator(d).all_gather_object(value)
-    return sorted(_flatten(value))
+    return sorted(_flatten(value), key=lambda row: row.rank)
 
 
-def _flatten(value: Any) -> list[tuple[int, int]]:
-    return [value] if isinstance(value, tuple) else [row for item in value for row in _flatten(item)]
+def _flatten(value: Any) -> list[MemoryRow]:
+    return [value] if isinstance(value, MemoryRow) else [row for item in value for row in _flatten(item)]
 
 
-def _print_summary(cfg: Config, rows: list[tuple[int, int]], comm: CommDebugMode) -> None:
-    full = sum(p.nbytes for p in GPT(cfg).parameters())
-    print(f"\nparameter memory (full model {_human_bytes(full)})")
-    for rank, local in rows:
-        print(f"  rank {rank}  {_human_bytes(local):>10}  {local / full:6.1%} of the model")
+def _print_summary(cfg: Config, rows: list[MemoryRow], comm: CommDebugMode) -> None:
+    model = sum(p.nbytes for p in GPT(cfg).parameters())
+    full = 4 * model  # parameters, gradients and AdamW's two moments, on one device
+    dp = "fully sharded (--fsdp)" if cfg.fsdp else "replicated"
+    print(f"\nmemory per rank after a step, dp={cfg.dp} {dp} x tp={cfg.tp} (one device: {_human_bytes(full)})")
+    print(f"  {'rank':<6}{'params':>11}{'grads':>11}{'AdamW':>11}{'total':>11}  of one device")
+    for row in rows:
+        cells = "".join(f"{_human_bytes(n):>11}" for n in (row.params, row.grads, row.optimizer, row.total))
+        print(f"  {row.rank:<6}{cells}  {row.total / full:6.1%} (1/{full / row.total:.2f})")
     counts, sizes = comm.get_comm_counts(), comm.get_comm_bytes()
     print("\ncollectives per training step (step 2, forward + backward + optimizer)")
     print(f"  {'collective':<20}{'count':>7}{'bytes':>12}")
     for kind in sorted(counts):
         print(f"  {kind:<20}{counts[kind]:>7}{_human_bytes(sizes.get(kind, 0)):>12}")
     print(f"  {'total':<20}{comm.get_total_counts():>7}{_human_bytes(comm.get_total_bytes()):>12}")
+    print("\ncollectives per layer (step 2)")
+    for phase, backward in (("forward", False), ("backward", True)):
+        per_module = comm.get_per_module_comm_counts(backward=backward)
+        for layer in [f"GPT.layers.{i}" for i in range(cfg.n_layers)]:
+            kinds = per_module.get(layer, {})
+            listed = ", ".join(f"{kind} {kinds[kind]}" for kind in sorted(kinds)) or "none"
+            print(f"  {layer:<14}{phase:<10}{listed}")
 
 
 # ----- command line ------------------------------------------------------------------------------
@@ -322,15 +392,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
         default=Config.sequence_parallel,
         help="shard the norms' activations over tp on the sequence dim (default on)",
     )
+    parser.add_argument(
+        "--fsdp", action="store_true", help="fully shard parameters, gradients and AdamW state over dp (ZeRO-3)"
+    )
     parser.add_argument("--check", action="store_true", help="compare the loss curve with a single-device run")
     args = parser.parse_args(argv)
-    cfg = Config(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel)
+    cfg = Config(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, fsdp=args.fsdp)
     return cfg, args.check
 
 
 def check_against_single_device(cfg: Config, losses: Sequence[float]) -> None:
     """Raise if the distributed loss curve differs from one device's (rtol 1e-4)."""
-    expected = train_single_device(replace(cfg, dp=1, tp=1))
+    expected = train_single_device(replace(cfg, dp=1, tp=1, fsdp=False))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
     print(f"loss matches single device ({len(expected)} steps, {expected[0]:.4f} -> {expected[-1]:.4f})")
 

@@ -51,8 +51,47 @@ def test_main_check_prints_match(capsys: pytest.CaptureFixture[str]) -> None:
     losses = demo.main(["--steps", "3", "--check"])
     out = capsys.readouterr().out
     assert "loss matches single device" in out
-    assert "all_reduce" in out and "parameter memory" in out
+    assert "all_reduce" in out and "memory per rank" in out
     assert len(losses) == 3
+
+
+def test_fsdp_main_check_prints_memory_and_collectives(capsys: pytest.CaptureFixture[str]) -> None:
+    """--fsdp: the same losses as one device, ~1/(dp*tp) of the training state per rank, and per-layer
+    all_gathers in forward and backward and reduce_scatters in backward."""
+    losses = demo.main(["--fsdp", "--steps", "3", "--check"])
+    out = capsys.readouterr().out
+    assert "loss matches single device (3 steps" in out and len(losses) == 3
+    fractions = [float(line.split("(1/")[1].rstrip(")")) for line in out.splitlines() if "(1/" in line]
+    assert len(fractions) == 4 and all(3.5 < f <= 4.0 for f in fractions), out  # 1/(2*2), less the tp-only biases
+    per_layer = [line.split() for line in out.splitlines() if line.strip().startswith("GPT.layers.")]
+    assert len(per_layer) == 4, out
+    for row in per_layer:
+        counts = dict(zip(row[2::2], (int(c.rstrip(",")) for c in row[3::2])))
+        # forward, and again before backward: the block's 8 parameters gathered over dp, plus the 2
+        # sequence-parallel gathers of the attention and MLP inputs (their backward: 2 reduce_scatters)
+        assert counts["all_gather"] == 10, row
+        if row[1] == "backward":
+            assert counts["reduce_scatter"] >= 8, row  # one per gradient, over dp
+
+
+def test_fsdp_threaded_losses_and_layouts() -> None:
+    """fully_shard per block and on the root: dp shards every parameter on a dim tp does not cut."""
+    cfg = demo.Config(steps=3, fsdp=True)
+    expected = demo.train_single_device(cfg)
+
+    def run() -> tuple[list[float], dict[str, tuple[object, ...]]]:
+        losses = demo.train(cfg)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = demo.apply_tp_and_dp(demo.build_model(cfg), mesh, sequence_parallel=True, fsdp=True)
+        return losses, {name: p.placements for name, p in model.named_parameters()}
+
+    losses, placements = run_threaded(run, 4)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
+    assert placements["layers.0.attn.q.weight"] == (Shard(1), Shard(0))  # column-wise: tp has dim 0
+    assert placements["layers.0.mlp.down.weight"] == (Shard(0), Shard(1))  # row-wise
+    assert placements["tok_emb.weight"] == (Shard(1), Shard(0))  # vocab rows over tp
+    assert placements["pos_emb"] == (Shard(0), Replicate())
+    assert placements["layers.0.attn_norm.weight"] == (Shard(0), Replicate())
 
 
 def test_parameters_and_gradients_follow_the_2d_layout() -> None:
@@ -66,6 +105,7 @@ def test_parameters_and_gradients_follow_the_2d_layout() -> None:
         assert layers.attn.q.weight.placements == (Replicate(), Shard(0))
         assert layers.mlp.down.weight.placements == (Replicate(), Shard(1))
         assert layers.attn_norm.weight.placements == (Replicate(), Replicate())
+        assert model.tok_emb.weight.placements == (Replicate(), Shard(0))  # row-wise: vocab rows over tp
         inputs, targets = (distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in demo.batch_at(cfg, 0))
         with CommDebugMode() as comm:
             logits = model(inputs)
@@ -79,8 +119,8 @@ def test_parameters_and_gradients_follow_the_2d_layout() -> None:
         return comm.get_comm_counts()
 
     counts = run_threaded(check, 4)[0]
-    # forward: one all_reduce per row-wise Linear (attention out, MLP down) per layer
-    assert counts == {"all_reduce": 2 * cfg.n_layers}
+    # forward: one all_reduce per row-wise module (embedding; attention out and MLP down per layer)
+    assert counts == {"all_reduce": 1 + 2 * cfg.n_layers}
 
 
 def _free_port() -> int:
@@ -89,17 +129,29 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.multiprocess
-def test_torchrun_two_processes_on_gloo() -> None:
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     command = [
-        *launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(EXAMPLE), "--dp", "1", "--tp", "2", "--steps", "3", "--sequence-parallel", "--check",
+        *launcher, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        str(EXAMPLE), *args,
     ]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.mark.multiprocess
+def test_torchrun_two_processes_on_gloo() -> None:
+    result = _torchrun(2, "--dp", "1", "--tp", "2", "--steps", "3", "--sequence-parallel", "--check")
     assert "loss matches single device (3 steps" in result.stdout, result.stdout
     # the progress bar (tqdm, on stderr) or the step lines vary; the summary is printed once, by rank 0
     assert result.stdout.count("trained 3 steps") == 1, "only rank 0 prints"
+
+
+@pytest.mark.multiprocess
+def test_torchrun_fsdp_four_processes_on_gloo() -> None:
+    result = _torchrun(4, "--fsdp", "--steps", "3", "--check")
+    assert "loss matches single device (3 steps" in result.stdout, result.stdout
+    assert "dp=2 fully sharded (--fsdp) x tp=2" in result.stdout, result.stdout
