@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_transformer import Block, Config, apply_tp_and_dp, batch_at, build_model  # noqa: E402
+from train_transformer import Block, Config, apply_tp_and_dp, batch_at, build_model
 
 DP, TP = 2, 2
 WORLD = DP * TP
@@ -195,7 +195,7 @@ def _gloo_entry(rank: int, port: int, cfg: Config, warmup: int, steps: int, out_
         timeout=timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
     try:
-        trainers = [_Ours(cfg), _Torch(cfg)]
+        trainers: list[_Ours | _Torch] = [_Ours(cfg), _Torch(cfg)]
         times: list[list[float]] = [[], []]
         losses: list[list[float]] = [[], []]
         for step in range(warmup + steps):
