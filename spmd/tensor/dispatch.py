@@ -19,8 +19,9 @@ import torch
 from spmd.tensor.debug.state import STATE, op_scope
 from spmd.tensor.debug.verbose import log_line
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.ops.foreach import ListRule
 from spmd.tensor.ops.registry import REGISTRY, OpCall
-from spmd.tensor.placement import Replicate, format_placements
+from spmd.tensor.placement import Placement, Replicate, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
 from spmd.tensor.redistribute import redistribute_local
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
@@ -93,6 +94,8 @@ class Dispatcher:
     def __init__(self) -> None:
         self.propagator = ShardingPropagator(REGISTRY)
         self._cache: dict[Any, Decision] = {}
+        self._list_cache: dict[Any, tuple[Decision, tuple[int, ...]]] = {}
+        """List-op decisions, with the inputs each writes back after the kernel."""
         self._registry_version = REGISTRY.version
         self.hits = 0
         self.misses = 0
@@ -100,17 +103,20 @@ class Dispatcher:
         """Run ops that have no rule on replicated inputs (logged) instead of raising."""
         self._warned: set[Any] = set()
         self._functional: dict[Any, Any] = {}
-        """``out=`` overload -> (functional overload, out argument names), or None."""
+        """``out=`` overload -> (functional overload, out argument names); list op -> ``_LIST_OP``; else None."""
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._list_cache.clear()
 
     def dispatch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run aten ``op`` on DTensor arguments: propagate -> redistribute -> run local -> wrap."""
         variant = self._functional.get(op, _UNKNOWN)
         if variant is _UNKNOWN:
-            variant = self._functional[op] = functional_variant(op)
+            variant = self._functional[op] = _LIST_OP if _is_list_op(op) else functional_variant(op)
         if variant is not None:
+            if variant is _LIST_OP:
+                return self._dispatch_list(op, args, kwargs)
             return _dispatch_out(op, variant, args, kwargs)
         leaves, shape = _flatten(args, kwargs)
         key_parts: list[Any] = [op, shape]
@@ -213,6 +219,160 @@ class Dispatcher:
             return type(result)(pieces)
         return result
 
+    def _dispatch_list(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A list op (``_foreach_*``, fused optimizers): decide each position like its element op,
+        move the inputs that need it, run the list kernel once on the local tensors, wrap each output."""
+        rule = self.propagator.registry.rule_for(op)
+        if not isinstance(rule, ListRule):
+            raise ShardingError(f"{op} has no list rule; register one in spmd/tensor/ops/foreach.py")
+        if rule.decompose is not None:
+            result = rule.decompose(op, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        leaves, shape = _flatten(args, kwargs)
+        in_list = _list_entries(shape, len(leaves))
+        key_parts: list[Any] = [_LIST_OP, op, shape]
+        positions: list[int] = []
+        mesh: Any = None
+        for i, a in enumerate(leaves):
+            if isinstance(a, DTensor):
+                spec = a._spec
+                if mesh is None:
+                    mesh = spec.mesh
+                elif spec.mesh is not mesh and spec.mesh != mesh:
+                    raise ValueError(
+                        f"{op} got DTensors on different meshes ({mesh} and {spec.mesh}); "
+                        "redistribute or create them on one DeviceMesh"
+                    )
+                positions.append(i)
+                key_parts.append(spec)
+            elif isinstance(a, torch.Tensor):
+                key_parts.append((_PLAIN_TENSOR, a.dtype, a.ndim))
+            elif in_list[i]:  # per-position scalars (bias corrections) change every step
+                key_parts.append(type(a))
+            elif type(a) in _AMBIGUOUS_KEYS:
+                key_parts.append((type(a), a))
+            else:
+                key_parts.append(a)
+        if REGISTRY.version != self._registry_version:
+            self.clear_cache()
+            self._registry_version = REGISTRY.version
+        key = tuple(key_parts)
+        entry = self._list_cache.get(key)
+        hit = entry is not None
+        if entry is None:
+            self.misses += 1
+            entry = self._decide_list(op, rule, leaves, shape, list(kwargs), positions)
+            if len(self._list_cache) >= _CACHE_LIMIT:
+                self._list_cache.clear()
+            self._list_cache[key] = entry
+        else:
+            self.hits += 1
+        decision, write_back = entry
+
+        local_leaves = list(leaves)
+        for i in positions:
+            local_leaves[i] = leaves[i]._local_tensor
+        with op_scope(str(op)) if STATE.listening else contextlib.nullcontext():
+            if STATE.verbose:
+                _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+            if decision.moves:
+                self._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
+                for n in decision.moves:  # fused CPU kernels read their tensors as flat arrays
+                    local_leaves[positions[n]] = local_leaves[positions[n]].contiguous()
+            local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
+            result = op(*local_args, **local_kwargs)
+            for n in write_back:  # a written argument that had to move: copy the result back to its layout
+                target: DTensor = leaves[positions[n]]
+                moved = target._spec.with_placements(decision.input_placements[n])
+                target._local_tensor.copy_(redistribute_local(local_leaves[positions[n]], moved, target._spec.placements))
+        if not op._schema.returns:
+            return None
+        return [
+            value if spec is None else DTensor(value, spec, requires_grad=False)
+            for value, spec in zip(result, decision.output_specs)
+        ]
+
+    def _decide_list(
+        self,
+        op: Any,
+        rule: ListRule,
+        leaves: list[Any],
+        shape: tuple[Any, ...],
+        kwarg_names: list[str],
+        positions: list[int],
+    ) -> tuple[Decision, tuple[int, ...]]:
+        """Decide every list position like its element op; returns the decision and the written-back inputs."""
+        names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
+        _check_lists(op, leaves, names, shape)
+        marked_args, marked_kwargs = _unflatten([_Leaf(i) for i in range(len(leaves))], shape, kwarg_names)
+        wanted: dict[int, tuple[Placement, ...]] = {}
+        output_placements: list[tuple[Placement, ...] | None] = []
+        output_metas: list[TensorMeta | None] = []
+        strategies: list[Any] = []
+        cost = 0.0
+        for index, (element_op, element_args, element_kwargs) in enumerate(
+            rule.element_calls(op, marked_args, marked_kwargs)
+        ):
+            marked, element_shape = _flatten(tuple(element_args), element_kwargs)
+            element_leaves = [leaves[m.index] if isinstance(m, _Leaf) else m for m in marked]
+            element_positions: list[int] = []
+            for k, a in enumerate(element_leaves):
+                if isinstance(a, DTensor):
+                    element_positions.append(k)
+                elif isinstance(a, torch.Tensor) and a.ndim != 0:
+                    raise RuntimeError(
+                        f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
+                        f"argument at list position {index}, next to DTensors; convert it with "
+                        "distribute_tensor(t, mesh, placements) or DTensor.from_local first"
+                    )
+            if not element_positions:
+                raise RuntimeError(
+                    f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
+                    "make the tensors at every position DTensors"
+                )
+            element_key = _element_key(element_op, element_shape, element_leaves)
+            decision = self._cache.get(element_key)
+            if decision is None:
+                try:
+                    decision = self._propagate(element_op, element_leaves, element_shape, list(element_kwargs), element_positions)
+                except ShardingError as error:
+                    raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
+                self._cache[element_key] = decision
+            for n, k in enumerate(element_positions):
+                leaf = marked[k].index
+                want = decision.input_placements[n]
+                if wanted.setdefault(leaf, want) != want:
+                    raise ShardingError(
+                        f"{op}: its {names[leaf]!r} argument is shared by every list position, and position "
+                        f"{index} needs it as {format_placements(want)} where an earlier one needs "
+                        f"{format_placements(wanted[leaf])}; redistribute it to Replicate() first"
+                    )
+            if op._schema.returns:
+                output_placements.append(decision.output_placements[0])
+                output_metas.append(decision.output_metas[0])
+            strategies.extend(decision.strategies)
+            cost += decision.cost
+        mesh = leaves[positions[0]]._spec.mesh
+        input_placements = tuple(wanted[i] for i in positions)
+        moves = tuple(n for n, i in enumerate(positions) if input_placements[n] != leaves[i]._spec.placements)
+        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        written -= set(rule.scratch)
+        write_back = tuple(n for n in moves if names[positions[n]] in written)
+        decision = Decision(
+            input_placements=input_placements,
+            output_placements=tuple(output_placements),
+            output_metas=tuple(output_metas),
+            strategies=tuple(strategies),
+            cost=cost,
+            inplace=is_inplace(op),
+            moves=moves,
+            output_specs=tuple(
+                None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
+            ),
+        )
+        return decision, write_back
+
     @staticmethod
     def _move_inputs(
         leaves: list[Any], local_leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool
@@ -274,13 +434,19 @@ class Dispatcher:
                 f"{refusal}; register a rule in spmd/tensor/ops/ or run the op on .to_local() tensors"
             )
         try:
-            decision = self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+            return self._propagate(op, leaves, shape, kwarg_names, positions)
         except ShardingError:
             # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
             # written back into self's shard.
             if self.fallback and is_inplace(op) and fallback_refusal(op) is None:
                 return self._fallback_decision(op, leaves, positions, why="cannot keep self's placement")
             raise
+
+    def _propagate(
+        self, op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
+    ) -> Decision:
+        """The propagator's decision for one call, with the moves and output specs filled in."""
+        decision = self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
         input_specs: list[DTensorSpec] = [leaves[i]._spec for i in positions]
         mesh = input_specs[0].mesh
         moves = tuple(n for n, s in enumerate(input_specs) if decision.input_placements[n] != s.placements)
@@ -335,7 +501,8 @@ class Dispatcher:
                 meta_leaves[i] = torch.device("meta")
         meta_args, meta_kwargs = _unflatten(meta_leaves, shape, kwarg_names)
         try:
-            meta_out = op(*meta_args, **meta_kwargs)
+            # an op that returns nothing (fused optimizers) has no output shape to find
+            meta_out = op(*meta_args, **meta_kwargs) if op._schema.returns else ()
         except Exception as error:
             raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
@@ -353,6 +520,87 @@ class Dispatcher:
 
 
 _UNKNOWN = object()
+_LIST_OP = "list-op"
+_PLAIN_TENSOR = "plain-tensor"
+
+
+def _is_list_op(op: Any) -> bool:
+    return isinstance(REGISTRY.rule_for(op), ListRule)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leaf:
+    """Stands for leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
+
+    index: int
+
+
+def _list_entries(shape: tuple[Any, ...], count: int) -> list[bool]:
+    """For each flattened leaf, whether it is an entry of a list argument."""
+    if not shape:
+        return [False] * count
+    mask: list[bool] = []
+    for entry in shape:
+        if isinstance(entry, int):
+            mask.extend([True] * entry if entry >= 0 else [False])
+        elif isinstance(entry, tuple):
+            mask.extend([True] * entry[1])
+        else:
+            mask.append(False)
+    return mask
+
+
+def _leaf_arguments(op: Any, shape: tuple[Any, ...], kwarg_names: list[str], count: int) -> list[str]:
+    """The schema argument each flattened leaf belongs to."""
+    arguments = op._schema.arguments
+    if not shape:
+        return [arguments[k].name for k in range(count)]
+    names: list[str] = []
+    positional = 0
+    for entry in shape:
+        if isinstance(entry, int):
+            names.extend([arguments[positional].name] * (1 if entry < 0 else entry))
+            positional += 1
+        elif isinstance(entry, tuple):
+            names.extend([entry[0]] * entry[1])
+        else:
+            names.append(entry)
+    return names
+
+
+def _check_lists(op: Any, leaves: list[Any], names: list[str], shape: tuple[Any, ...]) -> None:
+    """A list argument holds DTensors only or plain tensors only."""
+    in_list = _list_entries(shape, len(leaves))
+    by_argument: dict[str, tuple[list[int], list[int]]] = {}
+    start: dict[str, int] = {}
+    for i, (a, name) in enumerate(zip(leaves, names)):
+        if not in_list[i] or not isinstance(a, torch.Tensor):
+            continue
+        start.setdefault(name, i)
+        dtensors, plain = by_argument.setdefault(name, ([], []))
+        (dtensors if isinstance(a, DTensor) else plain).append(i - start[name])
+    for name, (dtensors, plain) in by_argument.items():
+        if dtensors and plain:
+            raise RuntimeError(
+                f"{op}: list argument {name!r} mixes DTensors (positions {dtensors}) and plain tensors "
+                f"(positions {plain}); make every tensor of the list a DTensor (distribute_tensor(t, mesh, "
+                "[Replicate()]), or distribute the whole module) or none of them"
+            )
+
+
+def _element_key(op: Any, shape: tuple[Any, ...], leaves: list[Any]) -> tuple[Any, ...]:
+    """The decision-cache key of one element call, as ``Dispatcher.dispatch`` builds it."""
+    parts: list[Any] = [op, shape]
+    for a in leaves:
+        if isinstance(a, DTensor):
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            parts.append((_SCALAR_TENSOR, a.dtype))
+        elif type(a) in _AMBIGUOUS_KEYS:
+            parts.append((type(a), a))
+        else:
+            parts.append(a)
+    return tuple(parts)
 
 
 def functional_variant(op: Any) -> tuple[Any, tuple[str, ...]] | None:

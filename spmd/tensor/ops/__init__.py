@@ -1,9 +1,11 @@
 """Op families; importing this package registers every rule in the one registry."""
 
 from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
+    foreach,
     indexing,
     matrix,
     nn,
+    optim,
     pointwise,
     random_ops,
     reductions,

@@ -1,0 +1,208 @@
+"""torch.optim and clip_grad_norm_ on DTensor parameters equal a single-device run.
+
+Each optimizer runs its for-loop, foreach (list ops) and fused implementations on parameters of
+mixed placements (sharded, uneven, replicated, 2-d meshes); after three steps the parameters and
+the optimizer states equal plain torch's, and a step whose grads are laid out like the params
+moves no data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing.layouts import make_dtensor
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+SUM = Partial("sum")
+
+SHAPES = {"w_in": (8, 6), "w_out": (6, 5), "bias": (5,), "uneven": (7, 3)}
+"""Parameter shapes; 7 rows over 4 ranks is an uneven 2, 2, 2, 1 split."""
+LAYOUTS_1D = {"w_in": [S0], "w_out": [S1], "bias": [R], "uneven": [S0]}
+LAYOUTS_2D = {"w_in": [S0, S1], "w_out": [R, S0], "bias": [S0, R], "uneven": [S1, S0]}
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], tuple[str, ...]]] = {
+    # name: (class, options, implementations)
+    "AdamW": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, ("for-loop", "foreach", "fused")),
+    "Adam-amsgrad": (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}, ("for-loop", "foreach", "fused")),
+    "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, ("for-loop", "foreach", "fused")),
+    "SGD-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, ("foreach", "fused")),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}, ("for-loop", "foreach")),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}, ("for-loop", "foreach", "fused")),
+}
+IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+class Params(nn.Module):
+    """A small model: only parameters, so tests set their gradients directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, (name, shape) in enumerate(SHAPES.items()):
+            self.register_parameter(name, nn.Parameter(seeded_randn(*shape, seed=i)))
+
+
+def distribute_params(model: nn.Module, mesh: Any, layouts: dict[str, Sequence[Any]]) -> nn.Module:
+    for name, param in list(model.named_parameters()):
+        setattr(model, name, nn.Parameter(distribute_tensor(param.detach(), mesh, layouts[name])))
+    return model
+
+
+def grads_for_step(step: int) -> dict[str, torch.Tensor]:
+    return {name: seeded_randn(*shape, seed=100 * step + i) for i, (name, shape) in enumerate(SHAPES.items())}
+
+
+def run_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    set_grad: Callable[[str, nn.Parameter, torch.Tensor], None],
+    *,
+    steps: int = 3,
+) -> None:
+    for step in range(steps):
+        grads = grads_for_step(step)
+        for name, param in model.named_parameters():
+            set_grad(name, param, grads[name])
+        optimizer.step()
+
+
+def assert_same_state(model: nn.Module, optimizer: torch.optim.Optimizer, ref: nn.Module, ref_opt: torch.optim.Optimizer) -> None:
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(param, DTensor), name
+        torch.testing.assert_close(param.full_tensor(), ref_param.detach(), msg=lambda m, n=name: f"param {n}: {m}")
+        state, ref_state = optimizer.state[param], ref_opt.state[ref_param]
+        assert state.keys() == ref_state.keys(), name
+        for key, value in state.items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(full, ref_state[key], msg=lambda m, n=name, k=key: f"state {k} of {n}: {m}")
+
+
+def reference_run(cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    ref = Params()
+    ref_opt = cls(ref.parameters(), **options)
+    run_steps(ref, ref_opt, lambda name, p, g: setattr(p, "grad", g.clone()))
+    return ref, ref_opt
+
+
+class OptimizerTest(DTensorTestBase):
+    def check_optimizer(self, mesh: Any, layouts: dict[str, Sequence[Any]], case: tuple[str, str]) -> None:
+        name, implementation = case
+        cls, options, _ = OPTIMIZERS[name]
+        options = {**options, **IMPLEMENTATIONS[implementation]}
+        model = distribute_params(Params(), mesh, layouts)
+        optimizer = cls(model.parameters(), **options)
+
+        def set_grad(param_name: str, param: nn.Parameter, grad: torch.Tensor) -> None:
+            param.grad = distribute_tensor(grad, mesh, param.placements)
+
+        run_steps(model, optimizer, set_grad)
+        ref, ref_opt = reference_run(cls, options)
+        assert_same_state(model, optimizer, ref, ref_opt)
+
+    @with_comms
+    def test_optimizers_match_one_device(self) -> None:
+        cases = [(name, impl) for name, (_, _, impls) in OPTIMIZERS.items() for impl in impls]
+        for mesh_shape, layouts in [((4,), LAYOUTS_1D), ((2, 2), LAYOUTS_2D)]:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            self.run_subtests({"case": cases}, self.check_optimizer, mesh, layouts)
+
+    @with_comms
+    def test_step_with_grads_laid_out_like_params_moves_nothing(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        for name in ("AdamW", "Adam-amsgrad", "SGD-momentum"):
+            cls, options, _ = OPTIMIZERS[name]
+            for implementation in ("foreach", "fused"):
+                model = distribute_params(Params(), mesh, LAYOUTS_2D)
+                optimizer = cls(model.parameters(), **options, **IMPLEMENTATIONS[implementation])
+                for step in range(2):  # the first step creates the states, the second reuses them
+                    grads = grads_for_step(step)
+                    for param_name, param in model.named_parameters():
+                        param.grad = distribute_tensor(grads[param_name], mesh, param.placements)
+                    with CommDebugMode() as comm:
+                        optimizer.step()
+                    self.assertEqual(comm.get_total_counts(), 0, f"{name} {implementation} step {step}")
+
+    @with_comms
+    def test_grads_laid_out_otherwise_are_moved_for_the_step(self) -> None:
+        """Partial and replicated grads of sharded params: the step reduces or chunks them first."""
+        mesh = init_device_mesh("cpu", (4,))
+        grad_layouts = {"w_in": [SUM], "w_out": [R], "bias": [SUM], "uneven": [R]}
+        for name in ("AdamW", "SGD-momentum"):
+            cls, options, _ = OPTIMIZERS[name]
+            for implementation in ("foreach", "fused"):
+                all_options = {**options, **IMPLEMENTATIONS[implementation]}
+                model = distribute_params(Params(), mesh, LAYOUTS_1D)
+                optimizer = cls(model.parameters(), **all_options)
+                run_steps(model, optimizer, lambda n, p, g: setattr(p, "grad", make_dtensor(g, mesh, grad_layouts[n])))
+                ref, ref_opt = reference_run(cls, all_options)
+                assert_same_state(model, optimizer, ref, ref_opt)
+                for param_name, param in model.named_parameters():  # the step leaves the grads as they were
+                    self.assertEqual(param.grad.placements, tuple(grad_layouts[param_name]))
+
+    @with_comms
+    def test_forward_backward_step(self) -> None:
+        """A real backward (grads as the rules produce them) followed by foreach and fused steps."""
+        x = seeded_randn(4, 8, seed=7)
+        mesh = init_device_mesh("cpu", (4,))
+        for implementation in ("foreach", "fused"):
+            model = distribute_params(Params(), mesh, LAYOUTS_1D)
+            ref = Params()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **IMPLEMENTATIONS[implementation])
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, **IMPLEMENTATIONS[implementation])
+            inputs = distribute_tensor(x, mesh, [R])
+            for _ in range(3):
+                for m, opt, inp in ((model, optimizer, inputs), (ref, ref_opt, x)):
+                    opt.zero_grad()
+                    hidden = torch.tanh(inp @ m.w_in) @ m.w_out + m.bias
+                    loss = hidden.pow(2).sum() + m.uneven.pow(2).sum()
+                    loss.backward()
+                    opt.step()
+            assert_same_state(model, optimizer, ref, ref_opt)
+
+
+class ClipGradNormTest(DTensorTestBase):
+    def check_clip(self, mesh: Any, layouts: dict[str, Sequence[Any]], norm_type: float, foreach: bool) -> None:
+        model = distribute_params(Params(), mesh, layouts)
+        ref = Params()
+        grads = grads_for_step(0)
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            param.grad = distribute_tensor(grads[name], mesh, param.placements)
+            ref_param.grad = grads[name].clone()
+        total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, norm_type=norm_type, foreach=foreach)
+        expected = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1.0, norm_type=norm_type, foreach=foreach)
+        assert isinstance(total, DTensor)
+        torch.testing.assert_close(total.full_tensor(), expected)
+        self.assertGreater(expected.item(), 1.0)  # the grads really were clipped
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+            assert isinstance(param.grad, DTensor)
+            self.assertEqual(param.grad.placements, param.placements)
+            torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, msg=lambda m, n=name: f"grad {n}: {m}")
+
+    @with_comms
+    def test_clip_grad_norm_matches_one_device(self) -> None:
+        for mesh_shape, layouts in [((4,), LAYOUTS_1D), ((2, 2), LAYOUTS_2D)]:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            self.run_subtests(
+                {"norm_type": [2.0, math.inf, 1.0, 3.0], "foreach": [True, False]}, self.check_clip, mesh, layouts
+            )
+
+    @with_comms
+    def test_foreach_clip_grad_norm_only_reduces_scalars(self) -> None:
+        """The foreach 2-norm sums squares shard by shard: all_reduces of scalars, no gathered grads."""
+        mesh = init_device_mesh("cpu", (4,))
+        model = distribute_params(Params(), mesh, LAYOUTS_1D)
+        grads = grads_for_step(0)
+        for name, param in model.named_parameters():
+            param.grad = distribute_tensor(grads[name], mesh, param.placements)
+        with CommDebugMode() as comm:
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+        sharded = sum(1 for p in LAYOUTS_1D.values() if p != [R])
+        self.assertEqual(counts, {"all_reduce": sharded}, counts)
