@@ -185,6 +185,29 @@ class SerializationTest(DTensorTestBase):
         self.run_subtests({"how": list(ROUND_TRIPS)}, check)
 
     @with_comms
+    def test_a_training_checkpoint_resumes_exactly(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+        model = _tensor_parallel_mlp(mesh, seed=0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, foreach=False)
+        model(x).sum().backward()
+        optimizer.step()
+        checkpoint = _torch_save({"model": model.state_dict(), "optim": optimizer.state_dict()}, weights_only=True)
+        self.assertEqual(checkpoint["optim"]["state"][0]["exp_avg"].placements, (Shard(0),))
+
+        resumed = _tensor_parallel_mlp(mesh, seed=1)
+        resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=0.1, foreach=False)
+        resumed.load_state_dict(checkpoint["model"])
+        resumed_optimizer.load_state_dict(checkpoint["optim"])
+        for m, opt in ((model, optimizer), (resumed, resumed_optimizer)):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+        expected = _full_state(model)
+        for name, value in _full_state(resumed).items():
+            torch.testing.assert_close(value, expected[name])
+
+    @with_comms
     def test_a_deep_copied_tensor_parallel_model_trains_on_its_own(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
         model = _tensor_parallel_mlp(mesh, seed=0)
