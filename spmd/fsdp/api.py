@@ -64,18 +64,20 @@ def fully_shard_state(module: nn.Module) -> FullyShardState | None:
 def _shard_owned_parameters(module: nn.Module, mesh: DeviceMesh, dp: int) -> list[ShardedParameter]:
     """Shard the parameters of ``module``'s subtree outside fully_shard'ed submodules, in module order."""
     owned: list[ShardedParameter] = []
-    by_id: dict[int, nn.Parameter] = {}  # a parameter shared by two submodules is sharded once
+    by_id: dict[int, ShardedParameter] = {}  # a parameter shared by two submodules (tied) is sharded once
     pending: list[nn.Module] = [module]
     while pending:
         current = pending.pop(0)
         for name, param in list(current._parameters.items()):
             if param is None:
                 continue
-            if id(param) in by_id:
-                current.register_parameter(name, by_id[id(param)])
+            first = by_id.get(id(param))
+            if first is not None:  # gathered for each place that uses it
+                current.register_parameter(name, first.parameter)
+                owned.append(ShardedParameter(current, name, first.parameter, first.gathered_placements))
                 continue
             sharded = shard_parameter(current, name, param, mesh, dp)
-            by_id[id(param)] = sharded.parameter
+            by_id[id(param)] = sharded
             owned.append(sharded)
         pending.extend(child for child in current.children() if fully_shard_state(child) is None)
     return owned

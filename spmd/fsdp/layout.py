@@ -20,6 +20,8 @@ __all__ = ["DP_MESH_DIM_NAME", "ShardedParameter", "resolve_dp_mesh_dim", "dp_sh
 
 DP_MESH_DIM_NAME = "dp"
 """The mesh dim name fully_shard shards over on an n-d mesh, by default."""
+_MANAGED_ATTR = "_spmd_fully_shard_managed"
+"""Set on the parameters fully_shard made, so that a second call on a submodule is caught."""
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -78,6 +80,11 @@ def shard_parameter(
     n-d mesh, not on its tp sub-mesh) and be Replicate() over dp.
     """
     where = f"{type(module).__name__}.{name}"
+    if getattr(param, _MANAGED_ATTR, False):
+        raise ValueError(
+            f"fully_shard: parameter {where} is already managed by a fully_shard call on a parent; call "
+            "fully_shard once per module, on the submodules (blocks) before their parent"
+        )
     if isinstance(param, DTensor):
         if param.device_mesh != mesh:
             raise ValueError(
@@ -108,5 +115,6 @@ def shard_parameter(
         # Kept whole over dp, its gradient arrives Partial(sum) there (each dp rank saw its part of
         # the batch): reduce it once, in backward, to the parameter's layout.
         sharded.register_hook(lambda grad: grad.redistribute(mesh, placements))  # type: ignore[no-untyped-call]
+    setattr(sharded, _MANAGED_ATTR, True)
     module.register_parameter(name, sharded)
     return ShardedParameter(module, name, sharded, placements)

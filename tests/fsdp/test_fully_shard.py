@@ -258,6 +258,35 @@ def test_gathered_parameters_are_freed_after_forward() -> None:
     assert gathered_numel == 4 * shard_numel == 4 * DIM * DIM
 
 
+def test_tied_weights_and_no_grad_forward() -> None:
+    """A weight shared by the embedding and the head is sharded once and gathered where each uses it;
+    a forward under no_grad computes the same logits and keeps nothing."""
+    reference = build_model()
+    reference.lm_head.weight = reference.tok_emb.weight
+    tokens, targets = batch(0)
+    optimizer = make_optimizer(reference)
+    expected = [train_step(reference, optimizer, tokens, targets) for _ in range(2)]
+    with torch.no_grad():
+        expected_logits = reference(tokens)
+
+    def run() -> tuple[list[float], torch.Tensor, bool]:
+        mesh = init_device_mesh("cpu", (4,))
+        model = build_model()
+        model.lm_head.weight = model.tok_emb.weight
+        shard_model(model, mesh)
+        optimizer = make_optimizer(model)
+        placed = [distribute_tensor(t, mesh, [Shard(0)]) for t in (tokens, targets)]
+        losses = [train_step(model, optimizer, *placed) for _ in range(2)]
+        with torch.no_grad():
+            logits = model(placed[0])
+        return losses, logits.full_tensor(), model.lm_head.weight is model.tok_emb.weight
+
+    losses, logits, still_tied = run_threaded(run, 4)[0]
+    assert still_tied
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+
+
 def test_errors_say_what_to_do() -> None:
     def run() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
