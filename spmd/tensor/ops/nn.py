@@ -193,6 +193,20 @@ def convolution_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 
 # ----- embedding -----------------------------------------------------------------------------------
+def _check_ids_in_range(indices: torch.Tensor, num_embeddings: int) -> None:
+    """Raise IndexError as plain torch does for an id outside the table (the masked lookup would
+    return a zero row). Every rank holding these ids raises, so no rank is left in a collective."""
+    if indices.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(indices)).tolist()  # one read of the ids' range
+    if low < 0 or high >= num_embeddings:
+        bad = low if low < 0 else high
+        raise IndexError(
+            f"embedding: index {bad} is out of range for a table of {num_embeddings} rows (row-wise "
+            f"sharded); use ids in [0, {num_embeddings - 1}]"
+        )
+
+
 def _masked_lookup(
     op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
 ) -> torch.Tensor:
@@ -201,6 +215,7 @@ def _masked_lookup(
     weight, indices = args[0], args[1]
     if Shard(0) not in weight_spec.placements:
         return op(*args, **kwargs)
+    _check_ids_in_range(indices, weight_spec.shape[0])
     _, offset = local_shape_and_offset(weight_spec.shape, weight_spec.mesh, weight_spec.placements)
     start, rows = offset[0], weight.shape[0]
     held = (indices >= start) & (indices < start + rows)

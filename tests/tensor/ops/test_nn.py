@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -388,3 +389,27 @@ def test_row_wise_embedding_is_a_masked_lookup_with_partial_output() -> None:
     for values, grad in run_threaded(lookup, 4):
         torch.testing.assert_close(values, expected)
         torch.testing.assert_close(grad, reference.grad)
+
+
+def test_row_wise_embedding_refuses_out_of_range_ids_on_every_rank() -> None:
+    """Plain torch raises IndexError for an id outside the table; the masked row-wise lookup must too."""
+    from spmd.tensor_parallel import RowwiseParallel, parallelize_module
+
+    def lookup(ids: torch.Tensor) -> str:
+        mesh = init_device_mesh("cpu", (4,))
+        table = torch.nn.Embedding(10, 4)
+        model = parallelize_module(table, mesh, RowwiseParallel())
+        try:
+            model(ids)
+        except IndexError as error:
+            return str(error)
+        return "no error"
+
+    for bad, ids in [(10, torch.tensor([[0, 9, 10], [3, 4, 5]])), (-1, torch.tensor([2, -1, 7]))]:
+        with pytest.raises(IndexError):
+            torch.nn.Embedding(10, 4)(ids)
+        messages = run_threaded(lookup, 4, ids)
+        for message in messages:  # every rank raised, so none waits in the output's all_reduce
+            assert f"index {bad} is out of range for a table of 10 rows" in message, message
+    in_range = run_threaded(lookup, 4, torch.tensor([0, 9, 3]))
+    assert in_range == ["no error"] * 4
