@@ -38,7 +38,8 @@ def fully_shard(
 
     ``dp_mesh_dim`` (name or index) is the data-parallel dim; None: the only dim of a 1-d mesh, else
     the dim named ``"dp"``. With ``reshard_after_forward=False`` the gathered parameters stay from
-    forward to backward (one all_gather fewer per step, more memory).
+    forward to backward (one all_gather fewer per step, more memory); the root (the module no
+    fully_shard'ed ancestor owns) always keeps them, as backward starts with its last layers.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -79,5 +80,10 @@ def _shard_owned_parameters(module: nn.Module, mesh: DeviceMesh, dp: int) -> lis
             sharded = shard_parameter(current, name, param, mesh, dp)
             by_id[id(param)] = sharded
             owned.append(sharded)
-        pending.extend(child for child in current.children() if fully_shard_state(child) is None)
+        for child in current.children():
+            child_state = fully_shard_state(child)
+            if child_state is None:
+                pending.append(child)
+            else:
+                child_state.is_root = False
     return owned

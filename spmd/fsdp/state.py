@@ -4,7 +4,8 @@
                    autograd-tracked) and let the gathered DTensor shadow the registered shard, so
                    the module's unchanged code computes with it
   after forward    un-shadow; with ``reshard_after_forward`` free the gathered storage
-                   (``untyped_storage().resize_(0)``: autograd's saved copies share it)
+                   (``untyped_storage().resize_(0)``: autograd's saved copies share it), except on
+                   the root (no fully_shard'ed ancestor), whose backward starts right away
   before backward  all-gather again into the same storage (an identity autograd node on the
                    module's outputs runs first in backward), then drop our references so that
                    autograd frees each copy once the last node that saved it has run
@@ -39,6 +40,8 @@ class FullyShardState:
         self.mesh = mesh
         self.params = tuple(params)
         self.reshard_after_forward = reshard_after_forward
+        self.is_root = True
+        """False once a fully_shard'ed ancestor claims this module (fully_shard is applied bottom-up)."""
         self._gathered: list[tuple[ShardedParameter, DTensor]] = []
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
@@ -55,7 +58,7 @@ class FullyShardState:
         gathered, self._gathered = self._gathered, []
         leaves, spec = tree_flatten(outputs)
         needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not needs_grad or not self.reshard_after_forward:
+        if not needs_grad or not self.reshard_after_forward or self.is_root:
             return outputs  # no backward, or the copies stay for it: autograd's saved ones are the only holders
         freed = [_FreedCopy(p, full, _free(full, p.parameter)) for p, full in gathered]
         wrapped = _RegatherBeforeBackward.apply(freed, *(leaves[i] for i in needs_grad))  # type: ignore[no-untyped-call]

@@ -236,6 +236,9 @@ def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_a
         assert backward[name].get("all_gather", 0) == regathered + 2, backward[name]
         # one reduce_scatter per sharded gradient (dp), plus the norms' and the inputs' ones over tp
         assert backward[name]["reduce_scatter"] >= sharded, backward[name]
+    # the root keeps its parameters from forward to backward (it would regather them at once):
+    # backward's other all_gather is the one of the row-wise embedding's reduce_scatter
+    assert backward["Global"]["all_gather"] == LAYERS * (regathered + 2) + 1
 
 
 def test_gathered_parameters_are_freed_after_forward() -> None:
