@@ -230,7 +230,6 @@ class Dispatcher:
             if result is not NotImplemented:
                 return result
         leaves, shape = _flatten(args, kwargs)
-        in_list = _list_entries(shape, len(leaves))
         key_parts: list[Any] = [_LIST_OP, op, shape]
         positions: list[int] = []
         mesh: Any = None
@@ -248,7 +247,7 @@ class Dispatcher:
                 key_parts.append(spec)
             elif isinstance(a, torch.Tensor):
                 key_parts.append((_PLAIN_TENSOR, a.dtype, a.ndim))
-            elif in_list[i]:  # per-position scalars (bias corrections) change every step
+            elif type(a) in _LIST_SCALARS and not rule.values_decide:  # lr, bias corrections: see ListRule
                 key_parts.append(type(a))
             elif type(a) in _AMBIGUOUS_KEYS:
                 key_parts.append((type(a), a))
@@ -521,6 +520,7 @@ class Dispatcher:
 
 _UNKNOWN = object()
 _LIST_OP = "list-op"
+_LIST_SCALARS = (bool, int, float, complex)
 _PLAIN_TENSOR = "plain-tensor"
 
 

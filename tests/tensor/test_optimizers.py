@@ -34,6 +34,8 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], tuple[s
     "Adam-amsgrad": (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}, ("for-loop", "foreach", "fused")),
     "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, ("for-loop", "foreach", "fused")),
     "SGD-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, ("foreach", "fused")),
+    "SGD": (torch.optim.SGD, {"lr": 0.1}, ("foreach", "fused")),
+    "AdamW-tensor-lr": (torch.optim.AdamW, {"lr": torch.tensor(0.05)}, ("for-loop", "fused")),
     "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}, ("for-loop", "foreach")),
     "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}, ("for-loop", "foreach", "fused")),
 }
@@ -206,3 +208,41 @@ class ClipGradNormTest(DTensorTestBase):
         counts = {str(op): n for op, n in comm.get_comm_counts().items()}
         sharded = sum(1 for p in LAYOUTS_1D.values() if p != [R])
         self.assertEqual(counts, {"all_reduce": sharded}, counts)
+
+
+class OptimizerDispatchTest(DTensorTestBase):
+    @with_comms
+    def test_changing_learning_rate_keeps_hitting_the_decision_cache(self) -> None:
+        """A scheduler changes lr (and Adam its bias corrections) every step; no step re-decides."""
+        from spmd.tensor.dispatch import DISPATCHER
+
+        mesh = init_device_mesh("cpu", (4,))
+        barrier = distribute_tensor(torch.zeros(4), mesh, [S0])
+        for implementation in ("foreach", "fused"):
+            model = distribute_params(Params(), mesh, LAYOUTS_1D)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **IMPLEMENTATIONS[implementation])
+            misses = []
+            for step in range(4):
+                grads = grads_for_step(step)
+                for name, param in model.named_parameters():
+                    param.grad = distribute_tensor(grads[name], mesh, param.placements)
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.1 / (step + 1)
+                barrier.full_tensor()  # every rank has finished the previous step
+                misses.append(DISPATCHER.misses)
+                optimizer.step()
+            barrier.full_tensor()
+            misses.append(DISPATCHER.misses)
+            self.assertEqual(misses[-1], misses[2], f"{implementation}: steps 3 and 4 decided again")
+
+    @with_comms
+    def test_plain_and_distributed_params_in_one_foreach_group_are_refused(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        model = Params()
+        model.w_in = nn.Parameter(distribute_tensor(model.w_in.detach(), mesh, [S0]))
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        with self.assertRaisesRegex(RuntimeError, "mixes DTensors .* and plain tensors"):
+            optimizer.step()
+

@@ -28,7 +28,7 @@ from spmd.tensor.ops.registry import REGISTRY, OpCall, OpStrategy, Rule, registe
 from spmd.tensor.placement import Shard
 from spmd.tensor.spec import DTensorSpec
 
-__all__ = ["ListRule", "ElementCall", "list_arguments"]
+__all__ = ["ListRule", "ElementCall"]
 
 aten = torch.ops.aten
 _MISSING = object()
@@ -40,13 +40,8 @@ Decompose = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 """Runs a list op as other DTensor ops, or returns NotImplemented to run it directly."""
 
 
-def list_arguments(op: Any) -> list[str]:
-    """Names of the list arguments (``Tensor[]``, ``Scalar[]``) of ``op``'s schema."""
-    return [a.name for a in op._schema.arguments if isinstance(a.type, torch.ListType)]
-
-
 def _canonical_scalar(value: Any) -> Any:
-    """A per-position scalar stands for its type: learning rates change every step, decisions don't."""
+    """A Python scalar stands for its type: learning rates change every step, decisions don't."""
     return type(value)(1) if type(value) in _SCALAR_TYPES else value
 
 
@@ -68,13 +63,21 @@ class ListRule:
     scratch: tuple[str, ...] = ()
     """Arguments the op writes whose writes may be dropped where an entry had to be moved (fused
     optimizers unscale grads in place). Other written arguments that moved are written back."""
+    values_decide: bool = False
+    """The call's Python scalars change the decision (a norm's order). Otherwise they are decided
+    by their type alone, so a learning rate that changes every step keeps hitting the cache."""
 
     def __call__(self, call: OpCall) -> Sequence[OpStrategy]:
         """Candidates of a call whose lists hold one entry: those of its element op."""
         if self.element_op is None:
             assert self.position_rule is not None
             return self.position_rule(call)
-        [(op, args, kwargs)] = self.element_calls(call.op, list(call.args), call.kwargs, positions=1)
+        if any(isinstance(a, (list, tuple)) and len(a) > 1 for a in [*call.args, *call.kwargs.values()]):
+            raise NotImplementedError(
+                f"{call.op} is decided position by position; ask about one position (one-entry lists) "
+                f"or about its element op {self.element_op}"
+            )
+        [(op, args, kwargs)] = self.element_calls(call.op, list(call.args), call.kwargs)
         specs = [a for a in [*args, *kwargs.values()] if isinstance(a, DTensorSpec)]
         out_meta = specs[0].tensor_meta if not call.output_metas else call.output_metas[0]
         rule = REGISTRY.rule_for(op)
@@ -82,61 +85,60 @@ class ListRule:
             raise NotImplementedError(f"{call.op} is decided like {op}, which has no sharding rule")
         return rule(OpCall(op, tuple(args), kwargs, tuple(specs), (out_meta,)))
 
-    def element_calls(self, op: Any, args: list[Any], kwargs: dict[str, Any], positions: int | None = None) -> list[ElementCall]:
+    def element_calls(self, op: Any, args: list[Any], kwargs: dict[str, Any]) -> list[ElementCall]:
         """The element call of every list position of ``op(*args, **kwargs)``.
 
-        Leaves are passed through untouched (the dispatcher passes markers), so this is pure structure.
+        Tensors pass through untouched (the dispatcher passes markers in their place), so this is
+        structure only; Python scalars become canonical ones unless ``values_decide``.
         """
-        arguments = op._schema.arguments
-        bound: list[tuple[Any, Any]] = []
-        for k, argument in enumerate(arguments):
+        bound: list[tuple[int, Any, Any]] = []
+        for k, argument in enumerate(op._schema.arguments):
             value = args[k] if k < len(args) else kwargs.get(argument.name, _MISSING)
             if value is not _MISSING:
-                bound.append((argument, value))
-        lengths = {len(v) for a, v in bound if isinstance(a.type, torch.ListType) and len(v)}
-        if positions is None:
-            if len(lengths) > 1:
-                raise ValueError(f"{op} got lists of different lengths {sorted(lengths)}; pass one entry per tensor")
-            positions = lengths.pop() if lengths else 0
-        calls = []
-        for i in range(positions):
-            if self.element_op is None:
-                calls.append(self._one_entry_call(op, bound, i))
-            else:
-                calls.append(self._element_call(op, bound, i))
-        return calls
+                bound.append((k, argument, value))
+        lengths = {len(v) for _, a, v in bound if isinstance(a.type, torch.ListType) and len(v)}
+        if len(lengths) > 1:
+            raise ValueError(f"{op} got lists of different lengths {sorted(lengths)}; pass one entry per tensor")
+        positions = lengths.pop() if lengths else 0
+        if self.element_op is None:
+            return [self._one_entry_call(op, bound, i) for i in range(positions)]
+        return [self._element_call(bound, i) for i in range(positions)]
 
-    def _one_entry_call(self, op: Any, bound: list[tuple[Any, Any]], i: int) -> ElementCall:
+    def _scalar(self, value: Any) -> Any:
+        return value if self.values_decide else _canonical_scalar(value)
+
+    def _one_entry_call(self, op: Any, bound: list[tuple[int, Any, Any]], i: int) -> ElementCall:
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
-        for argument, value in bound:
-            if isinstance(argument.type, torch.ListType) and len(value):
-                value = [value[i]]
+        for _, argument, value in bound:
+            if isinstance(argument.type, torch.ListType):
+                value = [self._scalar(value[i])] if len(value) else value
+            else:
+                value = self._scalar(value)
             if argument.kwarg_only:
                 kwargs[argument.name] = value
             else:
                 args.append(value)
         return op, args, kwargs
 
-    def _element_call(self, op: Any, bound: list[tuple[Any, Any]], i: int) -> ElementCall:
+    def _element_call(self, bound: list[tuple[int, Any, Any]], i: int) -> ElementCall:
         element_arguments = self.element_op._schema.arguments
         renames = dict(self.renames)
         values: dict[str, Any] = {}
-        for argument, value in bound:
-            k = op._schema.arguments.index(argument)
+        for k, argument, value in bound:
             name = renames.get(argument.name) or element_arguments[k].name
             if isinstance(argument.type, torch.ListType):
-                value = _canonical_scalar(value[i])
+                value = value[i]
             elif argument.name == "scalars":  # addcmul.Tensor: a tensor of one scalar per position
                 value = 1.0
-            values[name] = value
+            values[name] = self._scalar(value)
         values.update(self.fixed)
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
-        for argument in element_arguments:
+        for k, argument in enumerate(element_arguments):
             if argument.name not in values:
                 continue
-            if argument.kwarg_only or len(args) < element_arguments.index(argument):
+            if argument.kwarg_only or len(args) < k:  # positional only while no argument is skipped
                 kwargs[argument.name] = values[argument.name]
             else:
                 args.append(values[argument.name])
@@ -208,9 +210,7 @@ for _kind, _element_kind in (("List", "Tensor"), ("Scalar", "Scalar"), ("ScalarL
     _register(f"_foreach_lerp_.{_kind}", f"lerp_.{_element_kind}")
 
 _register("_foreach_max", "max")
-_register(
-    "_foreach_powsum.Scalar", "linalg_vector_norm", renames=(("dtype", "dtype"),), fixed=(("ord", 1),)
-)
+_register("_foreach_powsum.Scalar", "linalg_vector_norm", renames=(("dtype", "dtype"),), fixed=(("ord", 1),))
 
 
 def _norm_from_power_sums(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -229,5 +229,11 @@ def _norm_from_power_sums(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return aten._foreach_pow.Scalar(sums, 1.0 / p)
 
 
-_register("_foreach_norm.Scalar", "linalg_vector_norm", renames=(("dtype", "dtype"),), decompose=_norm_from_power_sums)
+_register(
+    "_foreach_norm.Scalar",
+    "linalg_vector_norm",
+    renames=(("dtype", "dtype"),),
+    decompose=_norm_from_power_sums,
+    values_decide=True,  # the order picks the partial: P(sum) for 1, P(max) for inf
+)
 
