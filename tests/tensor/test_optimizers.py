@@ -23,10 +23,10 @@ from spmd.testing.layouts import make_dtensor
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SUM = Partial("sum")
 
-SHAPES = {"w_in": (8, 6), "w_out": (6, 5), "bias": (5,), "uneven": (7, 3)}
+SHAPES = {"w_in": (8, 6), "w_out": (6, 5), "bias": (5,), "uneven": (7, 3), "scale": ()}
 """Parameter shapes; 7 rows over 4 ranks is an uneven 2, 2, 2, 1 split."""
-LAYOUTS_1D = {"w_in": [S0], "w_out": [S1], "bias": [R], "uneven": [S0]}
-LAYOUTS_2D = {"w_in": [S0, S1], "w_out": [R, S0], "bias": [S0, R], "uneven": [S1, S0]}
+LAYOUTS_1D = {"w_in": [S0], "w_out": [S1], "bias": [R], "uneven": [S0], "scale": [R]}
+LAYOUTS_2D = {"w_in": [S0, S1], "w_out": [R, S0], "bias": [S0, R], "uneven": [S1, S0], "scale": [R, R]}
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], tuple[str, ...]]] = {
     # name: (class, options, implementations)
@@ -135,7 +135,7 @@ class OptimizerTest(DTensorTestBase):
     def test_grads_laid_out_otherwise_are_moved_for_the_step(self) -> None:
         """Partial and replicated grads of sharded params: the step reduces or chunks them first."""
         mesh = init_device_mesh("cpu", (4,))
-        grad_layouts = {"w_in": [SUM], "w_out": [R], "bias": [SUM], "uneven": [R]}
+        grad_layouts = {"w_in": [SUM], "w_out": [R], "bias": [SUM], "uneven": [R], "scale": [SUM]}
         for name in ("AdamW", "SGD-momentum"):
             cls, options, _ = OPTIMIZERS[name]
             for implementation in ("foreach", "fused"):
@@ -163,7 +163,7 @@ class OptimizerTest(DTensorTestBase):
                 for m, opt, inp in ((model, optimizer, inputs), (ref, ref_opt, x)):
                     opt.zero_grad()
                     hidden = torch.tanh(inp @ m.w_in) @ m.w_out + m.bias
-                    loss = hidden.pow(2).sum() + m.uneven.pow(2).sum()
+                    loss = hidden.pow(2).sum() * m.scale + m.uneven.pow(2).sum()
                     loss.backward()
                     opt.step()
             assert_same_state(model, optimizer, ref, ref_opt)
@@ -206,7 +206,7 @@ class ClipGradNormTest(DTensorTestBase):
         with CommDebugMode() as comm:
             nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
         counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-        sharded = sum(1 for p in LAYOUTS_1D.values() if p != [R])
+        sharded = sum(1 for p in LAYOUTS_1D.values() if p != [R])  # w_in, w_out, uneven
         self.assertEqual(counts, {"all_reduce": sharded}, counts)
 
 
