@@ -7,6 +7,8 @@ which collectives run in forward and backward, and that gathered parameters are 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,6 +290,42 @@ def test_tied_weights_and_no_grad_forward() -> None:
     assert still_tied
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_uneven_and_small_parameters() -> None:
+    """A dim smaller than dp is skipped for the next (weight [3, 5]: dp cuts 5 into 2, 1, 1, 1); a
+    parameter with no dim big enough (bias [3], a scalar) stays whole over dp."""
+    gen = torch.Generator().manual_seed(9)
+    reference = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 1, generator=gen)
+    model_ref = copy.deepcopy(reference)
+    optimizer = make_optimizer(model_ref)
+    for _ in range(2):
+        optimizer.zero_grad()
+        F.mse_loss(model_ref(x), y).backward()
+        optimizer.step()
+
+    def run() -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (4,))
+        model = fully_shard(copy.deepcopy(reference), mesh)
+        optimizer = make_optimizer(model)
+        inputs, targets = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
+        for _ in range(2):
+            optimizer.zero_grad()
+            F.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+        named = dict(model.named_parameters())
+        return {n: p.placements for n, p in named.items()}, {n: p.full_tensor() for n, p in named.items()}
+
+    placements, params = run_threaded(run, 4)[0]
+    assert placements == {
+        "0.weight": (Shard(1),), "0.bias": (Replicate(),), "2.weight": (Replicate(),), "2.bias": (Replicate(),),
+    }  # fmt: skip
+    for name, param in model_ref.named_parameters():
+        torch.testing.assert_close(params[name], param, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_errors_say_what_to_do() -> None:
