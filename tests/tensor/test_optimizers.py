@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, i
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
+from spmd.testing.multiprocess import run_multiprocess
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SUM = Partial("sum")
@@ -246,3 +248,36 @@ class OptimizerDispatchTest(DTensorTestBase):
         with self.assertRaisesRegex(RuntimeError, "mixes DTensors .* and plain tensors"):
             optimizer.step()
 
+
+
+def _clip_and_step(implementation: str, mesh: Any | None) -> dict[str, torch.Tensor]:
+    """Clip the grads (foreach 2-norm) and take three AdamW steps; on one device when mesh is None."""
+    model = Params() if mesh is None else distribute_params(Params(), mesh, LAYOUTS_1D)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **IMPLEMENTATIONS[implementation])
+    result: dict[str, torch.Tensor] = {}
+    for step in range(3):
+        grads = grads_for_step(step)
+        for name, param in model.named_parameters():
+            param.grad = grads[name].clone() if mesh is None else distribute_tensor(grads[name], mesh, param.placements)
+        total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+        result[f"norm{step}"] = total.full_tensor() if isinstance(total, DTensor) else total
+        optimizer.step()
+    for name, param in model.named_parameters():
+        result[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    return result
+
+
+def _gloo_clip_and_step() -> dict[str, dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,))
+    return {implementation: _clip_and_step(implementation, mesh) for implementation in ("foreach", "fused")}
+
+
+@pytest.mark.multiprocess
+def test_clip_and_steps_on_2_gloo_processes() -> None:
+    for per_rank in run_multiprocess(_gloo_clip_and_step, 2, timeout=240):
+        for implementation, results in per_rank.items():
+            expected = _clip_and_step(implementation, None)
+            assert results.keys() == expected.keys()
+            for key, value in expected.items():
+                torch.testing.assert_close(results[key], value, msg=lambda m, k=key, i=implementation: f"{i} {k}: {m}")
