@@ -304,7 +304,9 @@ class Dispatcher:
         """Decide every list position like its element op; returns the decision and the written-back inputs."""
         names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
         _check_lists(op, leaves, names, shape)
-        marked_args, marked_kwargs = _unflatten([_Leaf(i) for i in range(len(leaves))], shape, kwarg_names)
+        # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
+        marks = [_Leaf(i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(leaves)]
+        marked_args, marked_kwargs = _unflatten(marks, shape, kwarg_names)
         wanted: dict[int, tuple[Placement, ...]] = {}
         output_placements: list[tuple[Placement, ...] | None] = []
         output_metas: list[TensorMeta | None] = []
@@ -530,7 +532,7 @@ def _is_list_op(op: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Leaf:
-    """Stands for leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
+    """Stands for tensor leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
 
     index: int
 
