@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.multiprocessing.spawn import ProcessException, start_processes
 
 __all__ = ["RankFailed", "run_multiprocess"]
 
@@ -42,11 +42,11 @@ def _rank_entry(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # small tensors; several ranks share the machine's cores
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(*args)
-        store.set(f"spmd/result/{rank}", pickle.dumps(result))
+        store.set(f"spmd/result/{rank}", pickle.dumps(result))  # type: ignore[arg-type]
         # No rank tears the group down while a peer still has gloo work in flight (that aborts
         # the process with "terminate called without an active exception").
         dist.barrier()
@@ -63,8 +63,8 @@ def run_multiprocess(
     by the children (a module-level function). Raises ``RankFailed`` if any rank fails and
     ``TimeoutError`` if the run takes longer than ``timeout`` seconds.
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = start_processes(  # type: ignore[no-untyped-call]
         _rank_entry,
         args=(fn, world_size, store.port, timeout, args),
         nprocs=world_size,
