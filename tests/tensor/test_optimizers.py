@@ -120,9 +120,8 @@ class OptimizerTest(DTensorTestBase):
     @with_comms
     def test_step_with_grads_laid_out_like_params_moves_nothing(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
-        for name in ("AdamW", "Adam-amsgrad", "SGD-momentum"):
-            cls, options, _ = OPTIMIZERS[name]
-            for implementation in ("foreach", "fused"):
+        for name, (cls, options, implementations) in OPTIMIZERS.items():
+            for implementation in implementations:
                 model = distribute_params(Params(), mesh, LAYOUTS_2D)
                 optimizer = cls(model.parameters(), **options, **IMPLEMENTATIONS[implementation])
                 for step in range(2):  # the first step creates the states, the second reuses them
