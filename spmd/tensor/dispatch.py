@@ -224,7 +224,10 @@ class Dispatcher:
         move the inputs that need it, run the list kernel once on the local tensors, wrap each output."""
         rule = self.propagator.registry.rule_for(op)
         if not isinstance(rule, ListRule):
-            raise ShardingError(f"{op} has no list rule; register one in spmd/tensor/ops/foreach.py")
+            raise ShardingError(
+                f"{op} has no list rule; run the optimizer or clip_grad_norm_ with foreach=False, or "
+                "register a ListRule in spmd/tensor/ops/foreach.py"
+            )
         if rule.decompose is not None:
             result = rule.decompose(op, args, kwargs)
             if result is not NotImplemented:
@@ -527,7 +530,8 @@ _PLAIN_TENSOR = "plain-tensor"
 
 
 def _is_list_op(op: Any) -> bool:
-    return isinstance(REGISTRY.rule_for(op), ListRule)
+    """Ops with a list rule, and every ``_foreach_*`` op (those without a rule get a clear error)."""
+    return isinstance(REGISTRY.rule_for(op), ListRule) or op._schema.name.startswith("aten::_foreach_")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

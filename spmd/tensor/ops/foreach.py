@@ -186,7 +186,9 @@ for _name in UNARY_OPS:
     _register(f"_foreach_{_name}_", f"{_name}_")
 
 _register("_foreach_zero_", "mul_.Scalar", fixed=(("other", 0),))
+_register("_foreach_zero", "mul.Scalar", fixed=(("other", 0),))
 _register("_foreach_copy_", "copy_")
+_register("_foreach_clone", "clone")
 
 for _name, (_tensors, _scalars) in BINARY_OPS.items():
     for _suffix, _element in (("", lambda e: e), ("_", _inplace)):

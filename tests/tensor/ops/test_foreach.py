@@ -90,6 +90,8 @@ OUT_OF_PLACE: dict[str, tuple[int, Callable[..., Any]]] = {
     "norm.inf": (1, lambda xs: torch._foreach_norm(xs, math.inf)),
     "norm.3": (1, lambda xs: torch._foreach_norm(xs, 3)),
     "max": (1, torch._foreach_max),
+    "clone": (1, torch._foreach_clone),
+    "zero": (1, lambda xs: torch.ops.aten._foreach_zero.default(xs)),
 }
 
 IN_PLACE: dict[str, tuple[int, bool, Callable[..., Any]]] = {
@@ -233,6 +235,13 @@ class ForeachTest(DTensorTestBase):
         ys = distribute_list(fulls, mesh, [[S0], [R], [R]])
         with pytest.raises(RuntimeError, match="'other' argument at list position 0"):
             torch._foreach_add_(ys, fulls)
+
+    @with_comms
+    def test_list_op_without_a_rule_says_what_to_do(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        xs = distribute_list(positive_list(0)[:2], mesh, [[S0], [R]])
+        with pytest.raises(NotImplementedError, match=r"_foreach_erfc\.default has no list rule; .*foreach=False"):
+            torch._foreach_erfc(xs)
 
     @with_comms
     def test_in_place_nonlinear_op_on_a_partial_self_is_refused(self) -> None:
