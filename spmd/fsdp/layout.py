@@ -63,6 +63,8 @@ def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
 
 def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, dp_size: int) -> int | None:
     """The tensor dim the dp mesh dim shards (see the module docstring), or None to replicate over dp."""
+    if dp_size == 1:
+        return None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
     taken = {p.dim for d, p in enumerate(placements) if d != dp and isinstance(p, Shard)}
     for k, size in enumerate(shape):
         if k not in taken and size >= dp_size:

@@ -214,6 +214,14 @@ def test_fsdp_x_tp_on_2x2_trains_like_one_device() -> None:
     assert placements["tok_emb.weight"] == (Shard(1), Shard(0))  # type: ignore[index]
 
 
+def test_dp_of_one_rank_leaves_the_tp_layout() -> None:
+    """On a (1, 4) mesh there is nothing to shard over dp: parameters keep their tp layout, training is unchanged."""
+    per_rank = run_threaded(distributed_run, 4, (1, 4), tp=True)
+    check_against_one_device(per_rank, 4)
+    placements = per_rank[0]["placements"]
+    assert placements["layers.0.attn.q.weight"] == (Replicate(), Shard(0))  # type: ignore[index]
+
+
 def collectives_per_block(reshard_after_forward: bool) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = shard_model(parallelize_module(build_model(), mesh, TP_PLAN), mesh, reshard_after_forward=reshard_after_forward)
