@@ -132,8 +132,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
     return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+def make_optimizer(model: nn.Module, *, foreach: bool = False) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=foreach)
 
 
 def single_device_run() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -147,7 +147,7 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
 
 
-def distributed_run(mesh_shape: tuple[int, ...], *, tp: bool) -> dict[str, object]:
+def distributed_run(mesh_shape: tuple[int, ...], *, tp: bool, foreach: bool = False) -> dict[str, object]:
     """Train on the current world (threads or gloo processes); what the tests compare."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -155,7 +155,7 @@ def distributed_run(mesh_shape: tuple[int, ...], *, tp: bool) -> dict[str, objec
     if tp:
         parallelize_module(model, mesh, TP_PLAN)
     shard_model(model, mesh)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, foreach=foreach)
     placements = tuple(Shard(0) if name == "dp" else Replicate() for name in names)
     losses = []
     for step in range(STEPS):
@@ -202,8 +202,10 @@ def test_fsdp_on_a_mesh_of_4_trains_like_one_device() -> None:
     assert placements["layers.0.attn.q.weight"] == (Shard(0),)  # type: ignore[index]
 
 
-def test_fsdp_x_tp_on_2x2_trains_like_one_device() -> None:
-    per_rank = run_threaded(distributed_run, 4, (2, 2), tp=True)
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_fsdp_x_tp_on_2x2_trains_like_one_device(foreach: bool) -> None:
+    """AdamW's per-parameter and multi-tensor implementations both step on the shards."""
+    per_rank = run_threaded(distributed_run, 4, (2, 2), tp=True, foreach=foreach)
     check_against_one_device(per_rank, 4)
     placements = per_rank[0]["placements"]
     # tp already cuts dim 0 of a column-wise weight: dp cuts dim 1, so gathering over dp is a plain all_gather
