@@ -244,7 +244,7 @@ def train_step(
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    # foreach=False: one op per parameter (the multi-tensor kernels are not yet DTensor ops here)
+    # foreach=False: torch's default on CPU, spelled out so that every run takes the same per-parameter path
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=False)
 
 
