@@ -51,7 +51,7 @@ def fully_shard(
     params = _shard_owned_parameters(module, mesh, dp)
     state = FullyShardState(mesh, params, reshard_after_forward=reshard_after_forward)
     module.register_forward_pre_hook(state.before_forward)
-    module.register_forward_hook(state.after_forward)
+    module.register_forward_hook(state.after_forward, always_call=True)  # un-shadow even if forward raises
     setattr(module, _STATE_ATTR, state)
     return module
 

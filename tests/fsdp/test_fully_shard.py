@@ -366,3 +366,14 @@ def test_fsdp_x_tp_on_4_gloo_processes() -> None:
     per_rank = run_multiprocess(_gloo_fsdp_x_tp, 4, timeout=240)
     check_against_one_device(per_rank, 4)
 
+
+
+def test_a_failed_forward_leaves_the_shards_registered() -> None:
+    def run() -> tuple[object, ...]:
+        mesh = init_device_mesh("cpu", (4,))
+        model = shard_model(build_model(), mesh)
+        with pytest.raises(RuntimeError):
+            model.layers[0](distribute_tensor(torch.randn(4, 6, DIM + 1), mesh, [Shard(0)]))  # wrong width
+        return model.layers[0].mlp.up.weight.placements
+
+    assert run_threaded(run, 4)[0] == (Shard(0),)
