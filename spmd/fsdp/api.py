@@ -49,7 +49,7 @@ def fully_shard(
         raise RuntimeError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
     dp = resolve_dp_mesh_dim(mesh, dp_mesh_dim)
     params = _shard_owned_parameters(module, mesh, dp)
-    state = FullyShardState(mesh, params, reshard_after_forward=reshard_after_forward)
+    state = FullyShardState(mesh, dp, params, reshard_after_forward=reshard_after_forward)
     module.register_forward_pre_hook(state.before_forward)
     module.register_forward_hook(state.after_forward, always_call=True)  # un-shadow even if forward raises
     setattr(module, _STATE_ATTR, state)

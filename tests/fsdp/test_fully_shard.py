@@ -8,6 +8,7 @@ which collectives run in forward and backward, and that gathered parameters are 
 from __future__ import annotations
 
 import copy
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -224,33 +225,39 @@ def test_dp_of_one_rank_leaves_the_tp_layout() -> None:
     assert placements["layers.0.attn.q.weight"] == (Replicate(), Shard(0))  # type: ignore[index]
 
 
-def collectives_per_block(reshard_after_forward: bool) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+def dp_collectives_per_module(reshard_after_forward: bool) -> dict[tuple[str, bool], dict[str, int]]:
+    """``{(module, backward): {collective: count}}`` of one step's collectives over the dp groups."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = shard_model(parallelize_module(build_model(), mesh, TP_PLAN), mesh, reshard_after_forward=reshard_after_forward)
     tokens, targets = (distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in batch(0))
+    dp_ranks = tuple(mesh["dp"].mesh.flatten().tolist())
     with CommDebugMode() as comm:
         logits = model(tokens)
         with loss_parallel():
             F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).backward()
-    return comm.get_per_module_comm_counts(backward=False), comm.get_per_module_comm_counts(backward=True)
+    counts: dict[tuple[str, bool], Counter[str]] = defaultdict(Counter)
+    for event in comm.events:
+        if event.record.ranks == dp_ranks:
+            for name in set(event.modules):
+                counts[(name, event.backward)][event.kind] += 1
+    return {key: dict(c) for key, c in counts.items()}
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_after_forward: bool) -> None:
-    forward, backward = run_threaded(collectives_per_block, 4, reshard_after_forward)[0]
-    sharded = 9  # per block: 2 norms, q/k/v/out, up/down weights and down's bias (up's bias is cut by tp only)
+    """Over dp, each block gathers all its parameters with one all_gather before forward (and again
+    before backward when it resharded) and reduce-scatters all their gradients with one reduce_scatter."""
+    counts = run_threaded(dp_collectives_per_module, 4, reshard_after_forward)[0]
     for i in range(LAYERS):
-        name = f"TinyGPT.layers.{i}"
-        # forward: one all_gather per sharded parameter, plus the sequence-parallel gathers of the
-        # attention and MLP inputs (tp)
-        assert forward[name]["all_gather"] == sharded + 2
-        regathered = sharded if reshard_after_forward else 0
-        assert backward[name].get("all_gather", 0) == regathered + 2, backward[name]
-        # one reduce_scatter per sharded gradient (dp), plus the norms' and the inputs' ones over tp
-        assert backward[name]["reduce_scatter"] >= sharded, backward[name]
-    # the root keeps its parameters from forward to backward (it would regather them at once):
-    # backward's other all_gather is the one of the row-wise embedding's reduce_scatter
-    assert backward["Global"]["all_gather"] == LAYERS * (regathered + 2) + 1
+        block = f"TinyGPT.layers.{i}"
+        assert counts[(block, False)] == {"all_gather": 1}
+        regather = {"all_gather": 1} if reshard_after_forward else {}
+        # MLP up's bias: tp already cuts its only dim, so it stays whole over dp and is all-reduced
+        assert counts[(block, True)] == {**regather, "reduce_scatter": 1, "all_reduce": 1}
+    # the root (embedding, final norm, head) gathers once and keeps its copies for backward
+    assert counts[("TinyGPT", False)] == {"all_gather": LAYERS + 1}
+    regathers = {"all_gather": LAYERS} if reshard_after_forward else {}
+    assert counts[("TinyGPT", True)] == {**regathers, "reduce_scatter": LAYERS + 1, "all_reduce": LAYERS}
 
 
 def test_gathered_parameters_are_freed_after_forward() -> None:
