@@ -6,8 +6,11 @@
 ...     fully_shard(block, mesh)  # shard over the "dp" dim
 >>> fully_shard(model, mesh)  # doctest: +SKIP
 
+Modules, one job each::
+
   layout.py  which tensor dim the dp mesh dim shards, and turning parameters into sharded DTensors
-  state.py   gather before forward/backward, free after forward, reduce-scatter the gradients
+  flat.py    one all_gather (and, in backward, one reduce_scatter) for all of a module's shards
+  state.py   gather before forward/backward, free after forward
   api.py     fully_shard: which parameters a module owns, and the hooks
 """
 
