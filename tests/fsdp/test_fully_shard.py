@@ -310,7 +310,7 @@ def test_tied_weights_and_no_grad_forward() -> None:
 
 
 def test_uneven_and_small_parameters() -> None:
-    """A dim smaller than dp is skipped for the next (weight [3, 5]: dp cuts 5 into 2, 1, 1, 1); a
+    """A dim smaller than dp is skipped for the next (weight [3, 5]: dp cuts 5 as torch.chunk does: 2, 2, 1 and an empty shard); a
     parameter with no dim big enough (bias [3], a scalar) stays whole over dp."""
     gen = torch.Generator().manual_seed(9)
     reference = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
