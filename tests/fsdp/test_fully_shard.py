@@ -345,6 +345,38 @@ def test_uneven_and_small_parameters() -> None:
         torch.testing.assert_close(params[name], param, rtol=1e-4, atol=1e-5, msg=name)
 
 
+class MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        self.weight = nn.Parameter(torch.randn(8, 6, generator=gen))
+        self.scale = nn.Parameter(torch.randn(8, generator=gen).to(torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight.t()) * self.scale.float()
+
+
+def test_parameters_of_two_dtypes_gather_in_one_buffer_each() -> None:
+    x_full = torch.randn(4, 6, generator=torch.Generator().manual_seed(12))
+    reference = MixedDtypes()
+    reference(x_full).square().sum().backward()
+
+    def run() -> tuple[int, dict[str, torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (4,))
+        model = fully_shard(MixedDtypes(), mesh)
+        x = distribute_tensor(x_full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            model(x).square().sum().backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        return comm.get_comm_counts()["all_gather"], grads
+
+    gathers, grads = run_threaded(run, 4)[0]
+    assert gathers == 2  # one flat buffer per dtype (a root keeps its copies: no regather)
+    for name, param in reference.named_parameters():
+        assert grads[name].dtype == param.dtype
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-4, msg=name)  # float32 sums
+
+
 def test_errors_say_what_to_do() -> None:
     def run() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
