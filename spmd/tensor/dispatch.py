@@ -16,76 +16,20 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
 from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import log_line
+from spmd.tensor.debug.verbose import log_decision, log_line
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.ops.foreach import ListRule
+from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op
 from spmd.tensor.ops.registry import REGISTRY, OpCall
-from spmd.tensor.placement import Placement, Replicate, format_placements
+from spmd.tensor.placement import Replicate, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
 from spmd.tensor.redistribute import redistribute_local
-from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
+from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication"]
 
-_SCALAR_TENSOR = "scalar-tensor"
-_AMBIGUOUS_KEYS = (float, bool, complex)
-_CACHE_LIMIT = 50_000
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
-
-
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tuple[Any, ...]]:
-    """Leaves of ``args``/``kwargs`` (one level of lists, as aten schemas have) and their layout.
-
-    The layout is ``()`` when the call is plain positional leaves, the common case.
-    """
-    if not kwargs:
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                break
-        else:
-            return list(args), ()
-    leaves: list[Any] = []
-    shape: list[Any] = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            shape.append(len(a))
-            leaves.extend(a)
-        else:
-            shape.append(-1)
-            leaves.append(a)
-    for name, a in kwargs.items():
-        if isinstance(a, (list, tuple)):
-            shape.append((name, len(a)))
-            leaves.extend(a)
-        else:
-            shape.append(name)
-            leaves.append(a)
-    return leaves, tuple(shape)
-
-
-def _unflatten(leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str]) -> tuple[list[Any], dict[str, Any]]:
-    if not shape:
-        return list(leaves), {}
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    pos = 0
-    for entry in shape:
-        if isinstance(entry, int):
-            if entry < 0:
-                args.append(leaves[pos])
-                pos += 1
-            else:
-                args.append(leaves[pos : pos + entry])
-                pos += entry
-        elif isinstance(entry, tuple):
-            name, length = entry
-            kwargs[name] = leaves[pos : pos + length]
-            pos += length
-        else:
-            kwargs[entry] = leaves[pos]
-            pos += 1
-    return args, kwargs
 
 
 class Dispatcher:
@@ -113,12 +57,12 @@ class Dispatcher:
         """Run aten ``op`` on DTensor arguments: propagate -> redistribute -> run local -> wrap."""
         variant = self._functional.get(op, _UNKNOWN)
         if variant is _UNKNOWN:
-            variant = self._functional[op] = _LIST_OP if _is_list_op(op) else functional_variant(op)
+            variant = self._functional[op] = LIST_OP if is_list_op(op) else functional_variant(op)
         if variant is not None:
-            if variant is _LIST_OP:
-                return self._dispatch_list(op, args, kwargs)
+            if variant is LIST_OP:
+                return dispatch_list(self, op, args, kwargs)
             return _dispatch_out(op, variant, args, kwargs)
-        leaves, shape = _flatten(args, kwargs)
+        leaves, shape = flatten_call(args, kwargs)
         key_parts: list[Any] = [op, shape]
         positions: list[int] = []
         mesh: Any = None
@@ -137,8 +81,8 @@ class Dispatcher:
             elif isinstance(a, torch.Tensor):
                 if a.ndim != 0:  # rare: autograd formulas, implicit_replication()
                     return self.dispatch(op, *self._replicate_plain_tensors(op, args, kwargs))
-                key_parts.append((_SCALAR_TENSOR, a.dtype))
-            elif type(a) in _AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
+                key_parts.append((SCALAR_TENSOR, a.dtype))
+            elif type(a) in AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
                 key_parts.append((type(a), a))
             else:
                 key_parts.append(a)
@@ -164,7 +108,7 @@ class Dispatcher:
             self.misses += 1
             decision = self._decide(op, leaves, shape, list(kwargs), positions)
             if key is not None:
-                if len(self._cache) >= _CACHE_LIMIT:  # decisions pin their meshes (and worlds)
+                if len(self._cache) >= DECISION_CACHE_LIMIT:  # decisions pin their meshes (and worlds)
                     self._cache.clear()
                 self._cache[key] = decision
         else:
@@ -177,14 +121,14 @@ class Dispatcher:
             if STATE.listening:
                 with op_scope(str(op)):
                     if STATE.verbose:
-                        _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+                        log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
                     self._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
             else:
                 self._move_inputs(leaves, local_leaves, positions, decision, verbose=False)
         elif STATE.verbose:
-            _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+            log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
         if shape:
-            local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
+            local_args, local_kwargs = unflatten_call(local_leaves, shape, list(kwargs))
         else:
             local_args, local_kwargs = local_leaves, {}
         if decision.local_args is not None:
@@ -219,164 +163,6 @@ class Dispatcher:
             return type(result)(pieces)
         return result
 
-    def _dispatch_list(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A list op (``_foreach_*``, fused optimizers): decide each position like its element op,
-        move the inputs that need it, run the list kernel once on the local tensors, wrap each output."""
-        rule = self.propagator.registry.rule_for(op)
-        if not isinstance(rule, ListRule):
-            raise ShardingError(
-                f"{op} has no list rule; run the optimizer or clip_grad_norm_ with foreach=False, or "
-                "register a ListRule in spmd/tensor/ops/foreach.py"
-            )
-        if rule.decompose is not None:
-            result = rule.decompose(op, args, kwargs)
-            if result is not NotImplemented:
-                return result
-        leaves, shape = _flatten(args, kwargs)
-        key_parts: list[Any] = [_LIST_OP, op, shape]
-        positions: list[int] = []
-        mesh: Any = None
-        for i, a in enumerate(leaves):
-            if isinstance(a, DTensor):
-                spec = a._spec
-                if mesh is None:
-                    mesh = spec.mesh
-                elif spec.mesh is not mesh and spec.mesh != mesh:
-                    raise ValueError(
-                        f"{op} got DTensors on different meshes ({mesh} and {spec.mesh}); "
-                        "redistribute or create them on one DeviceMesh"
-                    )
-                positions.append(i)
-                key_parts.append(spec)
-            elif isinstance(a, torch.Tensor):
-                key_parts.append((_PLAIN_TENSOR, a.dtype, a.ndim))
-            elif type(a) in _LIST_SCALARS and not rule.values_decide:  # lr, bias corrections: see ListRule
-                key_parts.append(type(a))
-            elif type(a) in _AMBIGUOUS_KEYS:
-                key_parts.append((type(a), a))
-            else:
-                key_parts.append(a)
-        if REGISTRY.version != self._registry_version:
-            self.clear_cache()
-            self._registry_version = REGISTRY.version
-        key = tuple(key_parts)
-        entry = self._list_cache.get(key)
-        hit = entry is not None
-        if entry is None:
-            self.misses += 1
-            entry = self._decide_list(op, rule, leaves, shape, list(kwargs), positions)
-            if len(self._list_cache) >= _CACHE_LIMIT:
-                self._list_cache.clear()
-            self._list_cache[key] = entry
-        else:
-            self.hits += 1
-        decision, write_back = entry
-
-        local_leaves = list(leaves)
-        for i in positions:
-            local_leaves[i] = leaves[i]._local_tensor
-        with op_scope(str(op)) if STATE.listening else contextlib.nullcontext():
-            if STATE.verbose:
-                _log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
-            if decision.moves:
-                self._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
-                for n in decision.moves:  # fused CPU kernels read their tensors as flat arrays
-                    local_leaves[positions[n]] = local_leaves[positions[n]].contiguous()
-            local_args, local_kwargs = _unflatten(local_leaves, shape, list(kwargs))
-            result = op(*local_args, **local_kwargs)
-            for n in write_back:  # a written argument that had to move: copy the result back to its layout
-                target: DTensor = leaves[positions[n]]
-                moved = target._spec.with_placements(decision.input_placements[n])
-                target._local_tensor.copy_(redistribute_local(local_leaves[positions[n]], moved, target._spec.placements))
-        if not op._schema.returns:
-            return None
-        return [
-            value if spec is None else DTensor(value, spec, requires_grad=False)
-            for value, spec in zip(result, decision.output_specs)
-        ]
-
-    def _decide_list(
-        self,
-        op: Any,
-        rule: ListRule,
-        leaves: list[Any],
-        shape: tuple[Any, ...],
-        kwarg_names: list[str],
-        positions: list[int],
-    ) -> tuple[Decision, tuple[int, ...]]:
-        """Decide every list position like its element op; returns the decision and the written-back inputs."""
-        names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
-        _check_lists(op, leaves, names, shape)
-        # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
-        marks = [_Leaf(i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(leaves)]
-        marked_args, marked_kwargs = _unflatten(marks, shape, kwarg_names)
-        wanted: dict[int, tuple[Placement, ...]] = {}
-        output_placements: list[tuple[Placement, ...] | None] = []
-        output_metas: list[TensorMeta | None] = []
-        strategies: list[Any] = []
-        cost = 0.0
-        for index, (element_op, element_args, element_kwargs) in enumerate(
-            rule.element_calls(op, marked_args, marked_kwargs)
-        ):
-            marked, element_shape = _flatten(tuple(element_args), element_kwargs)
-            element_leaves = [leaves[m.index] if isinstance(m, _Leaf) else m for m in marked]
-            element_positions: list[int] = []
-            for k, a in enumerate(element_leaves):
-                if isinstance(a, DTensor):
-                    element_positions.append(k)
-                elif isinstance(a, torch.Tensor) and a.ndim != 0:
-                    raise RuntimeError(
-                        f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
-                        f"argument at list position {index}, next to DTensors; convert it with "
-                        "distribute_tensor(t, mesh, placements) or DTensor.from_local first"
-                    )
-            if not element_positions:
-                raise RuntimeError(
-                    f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
-                    "make the tensors at every position DTensors"
-                )
-            element_key = _element_key(element_op, element_shape, element_leaves)
-            decision = self._cache.get(element_key)
-            if decision is None:
-                try:
-                    decision = self._propagate(element_op, element_leaves, element_shape, list(element_kwargs), element_positions)
-                except ShardingError as error:
-                    raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
-                self._cache[element_key] = decision
-            for n, k in enumerate(element_positions):
-                leaf = marked[k].index
-                want = decision.input_placements[n]
-                if wanted.setdefault(leaf, want) != want:
-                    raise ShardingError(
-                        f"{op}: its {names[leaf]!r} argument is shared by every list position, and position "
-                        f"{index} needs it as {format_placements(want)} where an earlier one needs "
-                        f"{format_placements(wanted[leaf])}; redistribute it to Replicate() first"
-                    )
-            if op._schema.returns:
-                output_placements.append(decision.output_placements[0])
-                output_metas.append(decision.output_metas[0])
-            strategies.extend(decision.strategies)
-            cost += decision.cost
-        mesh = leaves[positions[0]]._spec.mesh
-        input_placements = tuple(wanted[i] for i in positions)
-        moves = tuple(n for n, i in enumerate(positions) if input_placements[n] != leaves[i]._spec.placements)
-        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-        written -= set(rule.scratch)
-        write_back = tuple(n for n in moves if names[positions[n]] in written)
-        decision = Decision(
-            input_placements=input_placements,
-            output_placements=tuple(output_placements),
-            output_metas=tuple(output_metas),
-            strategies=tuple(strategies),
-            cost=cost,
-            inplace=is_inplace(op),
-            moves=moves,
-            output_specs=tuple(
-                None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
-            ),
-        )
-        return decision, write_back
-
     @staticmethod
     def _move_inputs(
         leaves: list[Any], local_leaves: list[Any], positions: list[int], decision: Decision, *, verbose: bool
@@ -405,7 +191,7 @@ class Dispatcher:
         Inside backward they come from autograd's own formulas (``zeros``, ``ones``), which are
         the same on every rank; elsewhere only inside ``implicit_replication()``.
         """
-        leaves, shape = _flatten(args, kwargs)
+        leaves, shape = flatten_call(args, kwargs)
         mesh = next(a._spec.mesh for a in leaves if isinstance(a, DTensor))
         allowed = _implicit.enabled or torch._C._current_graph_task_id() != -1
         replicate = (Replicate(),) * mesh.ndim
@@ -420,7 +206,7 @@ class Dispatcher:
                         "the same tensor"
                     )
                 leaves[i] = DTensor(a, DTensorSpec(mesh, replicate, TensorMeta.of(a)), requires_grad=False)
-        new_args, new_kwargs = _unflatten(leaves, shape, list(kwargs))
+        new_args, new_kwargs = unflatten_call(leaves, shape, list(kwargs))
         return tuple(new_args), new_kwargs
 
     def _decide(
@@ -503,7 +289,7 @@ class Dispatcher:
             elif isinstance(a, torch.device):
                 # ``x.to(dtype, device="cpu")`` would copy the meta tensor out; shapes are all we need
                 meta_leaves[i] = torch.device("meta")
-        meta_args, meta_kwargs = _unflatten(meta_leaves, shape, kwarg_names)
+        meta_args, meta_kwargs = unflatten_call(meta_leaves, shape, kwarg_names)
         try:
             # an op that returns nothing (fused optimizers) has no output shape to find
             meta_out = op(*meta_args, **meta_kwargs) if op._schema.returns else ()
@@ -511,12 +297,12 @@ class Dispatcher:
             raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
         output_metas = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outputs)
-        spec_args, spec_kwargs = _unflatten(spec_leaves, shape, kwarg_names)
+        spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
         return OpCall(op, tuple(spec_args), spec_kwargs, tuple(leaves[i]._spec for i in positions), output_metas)
 
     def make_call(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
         """What the rule for ``op`` sees of this call (used by ``explain``)."""
-        leaves, shape = _flatten(args, kwargs)
+        leaves, shape = flatten_call(args, kwargs)
         positions = [i for i, a in enumerate(leaves) if isinstance(a, DTensor)]
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
@@ -524,91 +310,6 @@ class Dispatcher:
 
 
 _UNKNOWN = object()
-_LIST_OP = "list-op"
-_LIST_SCALARS = (bool, int, float, complex)
-_PLAIN_TENSOR = "plain-tensor"
-
-
-def _is_list_op(op: Any) -> bool:
-    """Ops with a list rule, and every ``_foreach_*`` op (those without a rule get a clear error)."""
-    return isinstance(REGISTRY.rule_for(op), ListRule) or op._schema.name.startswith("aten::_foreach_")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Leaf:
-    """Stands for tensor leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
-
-    index: int
-
-
-def _list_entries(shape: tuple[Any, ...], count: int) -> list[bool]:
-    """For each flattened leaf, whether it is an entry of a list argument."""
-    if not shape:
-        return [False] * count
-    mask: list[bool] = []
-    for entry in shape:
-        if isinstance(entry, int):
-            mask.extend([True] * entry if entry >= 0 else [False])
-        elif isinstance(entry, tuple):
-            mask.extend([True] * entry[1])
-        else:
-            mask.append(False)
-    return mask
-
-
-def _leaf_arguments(op: Any, shape: tuple[Any, ...], kwarg_names: list[str], count: int) -> list[str]:
-    """The schema argument each flattened leaf belongs to."""
-    arguments = op._schema.arguments
-    if not shape:
-        return [arguments[k].name for k in range(count)]
-    names: list[str] = []
-    positional = 0
-    for entry in shape:
-        if isinstance(entry, int):
-            names.extend([arguments[positional].name] * (1 if entry < 0 else entry))
-            positional += 1
-        elif isinstance(entry, tuple):
-            names.extend([entry[0]] * entry[1])
-        else:
-            names.append(entry)
-    return names
-
-
-def _check_lists(op: Any, leaves: list[Any], names: list[str], shape: tuple[Any, ...]) -> None:
-    """A list argument holds DTensors only or plain tensors only."""
-    in_list = _list_entries(shape, len(leaves))
-    by_argument: dict[str, tuple[list[int], list[int]]] = {}
-    start: dict[str, int] = {}
-    for i, (a, name) in enumerate(zip(leaves, names)):
-        if not in_list[i] or not isinstance(a, torch.Tensor):
-            continue
-        start.setdefault(name, i)
-        dtensors, plain = by_argument.setdefault(name, ([], []))
-        (dtensors if isinstance(a, DTensor) else plain).append(i - start[name])
-    for name, (dtensors, plain) in by_argument.items():
-        if dtensors and plain:
-            raise RuntimeError(
-                f"{op}: list argument {name!r} mixes DTensors (positions {dtensors}) and plain tensors "
-                f"(positions {plain}); make every tensor of the list a DTensor (distribute_tensor(t, mesh, "
-                "[Replicate()]), or distribute the whole module) or none of them"
-            )
-
-
-def _element_key(op: Any, shape: tuple[Any, ...], leaves: list[Any]) -> tuple[Any, ...]:
-    """The decision-cache key of one element call, as ``Dispatcher.dispatch`` builds it."""
-    parts: list[Any] = [op, shape]
-    for a in leaves:
-        if isinstance(a, DTensor):
-            parts.append(a._spec)
-        elif isinstance(a, torch.Tensor):
-            parts.append((_SCALAR_TENSOR, a.dtype))
-        elif type(a) in _AMBIGUOUS_KEYS:
-            parts.append((type(a), a))
-        else:
-            parts.append(a)
-    return tuple(parts)
-
-
 def functional_variant(op: Any) -> tuple[Any, tuple[str, ...]] | None:
     """For an ``out=`` overload (``add.out``), the functional one with the same other arguments."""
     schema = op._schema
@@ -664,8 +365,6 @@ def implicit_replication() -> Iterator[None]:
 
 def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], local_args: list[Any], mesh: Any) -> Any:
     """Wrap a fallback's whole-tensor results as Replicate; an in-place op writes back into self."""
-    from spmd.tensor.dtensor import DTensor
-
     replicate = (Replicate(),) * mesh.ndim
     if decision.inplace:
         target: DTensor = args[0]
@@ -682,25 +381,6 @@ def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], loc
     if isinstance(result, (tuple, list)):
         return type(result)(one(r) for r in result)
     return one(result)
-
-
-def _log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:
-    inputs = ", ".join(f"{format_placements(s.placements)} {_short(s.tensor_meta)}" for s in specs)
-    outputs = ", ".join(
-        f"{format_placements(p)} {_short(m)}"
-        for p, m in zip(decision.output_placements, decision.output_metas)
-        if p is not None and m is not None
-    )
-    if decision.fallback:
-        log_line("%-30s %s  ->  FALLBACK: no rule, inputs replicated   [%s]", op, inputs, "HIT" if hit else "MISS")
-        return
-    chosen = " | ".join(str(s) for s in decision.strategies)
-    log_line("%-30s %s  ->  %s   via %s   [%s]", op, inputs, outputs or "-", chosen, "HIT" if hit else "MISS")
-
-
-def _short(meta: TensorMeta) -> str:
-    dtype = DTENSOR_DTYPE_SHORT.get(meta.dtype, str(meta.dtype).replace("torch.", ""))
-    return dtype + "[" + ",".join(str(s) for s in meta.shape) + "]"
 
 
 DISPATCHER = Dispatcher()

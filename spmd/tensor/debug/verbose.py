@@ -13,12 +13,17 @@ import logging
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
 from spmd.tensor.debug.state import STATE, current_rank_or_none, parse_ranks
+from spmd.tensor.placement import format_placements
+from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
 
-__all__ = ["set_verbose", "verbose", "is_verbose", "human_bytes", "log_line", "capture_collectives"]
+if TYPE_CHECKING:
+    from spmd.tensor.propagation import Decision
+
+__all__ = ["set_verbose", "verbose", "is_verbose", "human_bytes", "log_line", "capture_collectives", "log_decision"]
 
 LOGGER = logging.getLogger("spmd.tensor")
 _handler: logging.Handler | None = None
@@ -102,3 +107,22 @@ def capture_collectives() -> Iterator[list[CollectiveRecord]]:
         _local.captured = outer
         if outer is not None:
             outer.extend(records)
+
+
+def log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:
+    inputs = ", ".join(f"{format_placements(s.placements)} {_short_meta(s.tensor_meta)}" for s in specs)
+    outputs = ", ".join(
+        f"{format_placements(p)} {_short_meta(m)}"
+        for p, m in zip(decision.output_placements, decision.output_metas)
+        if p is not None and m is not None
+    )
+    if decision.fallback:
+        log_line("%-30s %s  ->  FALLBACK: no rule, inputs replicated   [%s]", op, inputs, "HIT" if hit else "MISS")
+        return
+    chosen = " | ".join(str(s) for s in decision.strategies)
+    log_line("%-30s %s  ->  %s   via %s   [%s]", op, inputs, outputs or "-", chosen, "HIT" if hit else "MISS")
+
+
+def _short_meta(meta: TensorMeta) -> str:
+    dtype = DTENSOR_DTYPE_SHORT.get(meta.dtype, str(meta.dtype).replace("torch.", ""))
+    return dtype + "[" + ",".join(str(s) for s in meta.shape) + "]"

@@ -1,0 +1,276 @@
+"""The dispatch path of list ops (``_foreach_*``, fused optimizers): one kernel call for a whole list.
+
+A list op is its element op applied at every list position, so each position is decided like the
+element call (``_foreach_add_.List`` at position i like ``add_.Tensor(xs[i], ys[i])``, through the
+same decision cache), the inputs that need it are moved, the list kernel runs once on the local
+tensors, and output i is wrapped with position i's spec. Rules live in spmd/tensor/ops/foreach.py
+and spmd/tensor/ops/optim.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
+from spmd.tensor.debug.state import STATE, op_scope
+from spmd.tensor.debug.verbose import log_decision
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.ops.foreach import ListRule
+from spmd.tensor.ops.registry import REGISTRY
+from spmd.tensor.placement import Placement, format_placements
+from spmd.tensor.propagation import Decision, ShardingError, is_inplace
+from spmd.tensor.redistribute import redistribute_local
+from spmd.tensor.spec import DTensorSpec, TensorMeta
+
+if TYPE_CHECKING:
+    from spmd.tensor.dispatch import Dispatcher
+
+__all__ = ["LIST_OP", "is_list_op", "dispatch_list"]
+
+LIST_OP = "list-op"
+"""Marks list ops in the dispatcher's per-op table (they take the list path)."""
+_LIST_SCALARS = (bool, int, float, complex)
+_PLAIN_TENSOR = "plain-tensor"
+
+
+def is_list_op(op: Any) -> bool:
+    """Ops with a list rule, and every ``_foreach_*`` op (those without a rule get a clear error)."""
+    return isinstance(REGISTRY.rule_for(op), ListRule) or op._schema.name.startswith("aten::_foreach_")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leaf:
+    """Stands for tensor leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
+
+    index: int
+
+
+def _list_entries(shape: tuple[Any, ...], count: int) -> list[bool]:
+    """For each flattened leaf, whether it is an entry of a list argument."""
+    if not shape:
+        return [False] * count
+    mask: list[bool] = []
+    for entry in shape:
+        if isinstance(entry, int):
+            mask.extend([True] * entry if entry >= 0 else [False])
+        elif isinstance(entry, tuple):
+            mask.extend([True] * entry[1])
+        else:
+            mask.append(False)
+    return mask
+
+
+def _leaf_arguments(op: Any, shape: tuple[Any, ...], kwarg_names: list[str], count: int) -> list[str]:
+    """The schema argument each flattened leaf belongs to."""
+    arguments = op._schema.arguments
+    if not shape:
+        return [arguments[k].name for k in range(count)]
+    names: list[str] = []
+    positional = 0
+    for entry in shape:
+        if isinstance(entry, int):
+            names.extend([arguments[positional].name] * (1 if entry < 0 else entry))
+            positional += 1
+        elif isinstance(entry, tuple):
+            names.extend([entry[0]] * entry[1])
+        else:
+            names.append(entry)
+    return names
+
+
+def _check_lists(op: Any, leaves: list[Any], names: list[str], shape: tuple[Any, ...]) -> None:
+    """A list argument holds DTensors only or plain tensors only."""
+    in_list = _list_entries(shape, len(leaves))
+    by_argument: dict[str, tuple[list[int], list[int]]] = {}
+    start: dict[str, int] = {}
+    for i, (a, name) in enumerate(zip(leaves, names)):
+        if not in_list[i] or not isinstance(a, torch.Tensor):
+            continue
+        start.setdefault(name, i)
+        dtensors, plain = by_argument.setdefault(name, ([], []))
+        (dtensors if isinstance(a, DTensor) else plain).append(i - start[name])
+    for name, (dtensors, plain) in by_argument.items():
+        if dtensors and plain:
+            raise RuntimeError(
+                f"{op}: list argument {name!r} mixes DTensors (positions {dtensors}) and plain tensors "
+                f"(positions {plain}); make every tensor of the list a DTensor (distribute_tensor(t, mesh, "
+                "[Replicate()]), or distribute the whole module) or none of them"
+            )
+
+
+def _element_key(op: Any, shape: tuple[Any, ...], leaves: list[Any]) -> tuple[Any, ...]:
+    """The decision-cache key of one element call, as ``Dispatcher.dispatch`` builds it."""
+    parts: list[Any] = [op, shape]
+    for a in leaves:
+        if isinstance(a, DTensor):
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            parts.append((SCALAR_TENSOR, a.dtype))
+        elif type(a) in AMBIGUOUS_KEYS:
+            parts.append((type(a), a))
+        else:
+            parts.append(a)
+    return tuple(parts)
+
+
+def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A list op (``_foreach_*``, fused optimizers): decide each position like its element op,
+    move the inputs that need it, run the list kernel once on the local tensors, wrap each output."""
+    rule = dispatcher.propagator.registry.rule_for(op)
+    if not isinstance(rule, ListRule):
+        raise ShardingError(
+            f"{op} has no list rule; run the optimizer or clip_grad_norm_ with foreach=False, or "
+            "register a ListRule in spmd/tensor/ops/foreach.py"
+        )
+    if rule.decompose is not None:
+        result = rule.decompose(op, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    leaves, shape = flatten_call(args, kwargs)
+    key_parts: list[Any] = [LIST_OP, op, shape]
+    positions: list[int] = []
+    mesh: Any = None
+    for i, a in enumerate(leaves):
+        if isinstance(a, DTensor):
+            spec = a._spec
+            if mesh is None:
+                mesh = spec.mesh
+            elif spec.mesh is not mesh and spec.mesh != mesh:
+                raise ValueError(
+                    f"{op} got DTensors on different meshes ({mesh} and {spec.mesh}); "
+                    "redistribute or create them on one DeviceMesh"
+                )
+            positions.append(i)
+            key_parts.append(spec)
+        elif isinstance(a, torch.Tensor):
+            key_parts.append((_PLAIN_TENSOR, a.dtype, a.ndim))
+        elif type(a) in _LIST_SCALARS and not rule.values_decide:  # lr, bias corrections: see ListRule
+            key_parts.append(type(a))
+        elif type(a) in AMBIGUOUS_KEYS:
+            key_parts.append((type(a), a))
+        else:
+            key_parts.append(a)
+    if REGISTRY.version != dispatcher._registry_version:
+        dispatcher.clear_cache()
+        dispatcher._registry_version = REGISTRY.version
+    key = tuple(key_parts)
+    entry = dispatcher._list_cache.get(key)
+    hit = entry is not None
+    if entry is None:
+        dispatcher.misses += 1
+        entry = decide_list(dispatcher, op, rule, leaves, shape, list(kwargs), positions)
+        if len(dispatcher._list_cache) >= DECISION_CACHE_LIMIT:
+            dispatcher._list_cache.clear()
+        dispatcher._list_cache[key] = entry
+    else:
+        dispatcher.hits += 1
+    decision, write_back = entry
+
+    local_leaves = list(leaves)
+    for i in positions:
+        local_leaves[i] = leaves[i]._local_tensor
+    with op_scope(str(op)) if STATE.listening else contextlib.nullcontext():
+        if STATE.verbose:
+            log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
+        if decision.moves:
+            dispatcher._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
+            for n in decision.moves:  # fused CPU kernels read their tensors as flat arrays
+                local_leaves[positions[n]] = local_leaves[positions[n]].contiguous()
+        local_args, local_kwargs = unflatten_call(local_leaves, shape, list(kwargs))
+        result = op(*local_args, **local_kwargs)
+        for n in write_back:  # a written argument that had to move: copy the result back to its layout
+            target: DTensor = leaves[positions[n]]
+            moved = target._spec.with_placements(decision.input_placements[n])
+            target._local_tensor.copy_(redistribute_local(local_leaves[positions[n]], moved, target._spec.placements))
+    if not op._schema.returns:
+        return None
+    return [
+        value if spec is None else DTensor(value, spec, requires_grad=False)
+        for value, spec in zip(result, decision.output_specs)
+    ]
+
+def decide_list(
+dispatcher: Dispatcher,
+    op: Any,
+    rule: ListRule,
+    leaves: list[Any],
+    shape: tuple[Any, ...],
+    kwarg_names: list[str],
+    positions: list[int],
+) -> tuple[Decision, tuple[int, ...]]:
+    """Decide every list position like its element op; returns the decision and the written-back inputs."""
+    names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
+    _check_lists(op, leaves, names, shape)
+    # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
+    marks = [_Leaf(i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(leaves)]
+    marked_args, marked_kwargs = unflatten_call(marks, shape, kwarg_names)
+    wanted: dict[int, tuple[Placement, ...]] = {}
+    output_placements: list[tuple[Placement, ...] | None] = []
+    output_metas: list[TensorMeta | None] = []
+    strategies: list[Any] = []
+    cost = 0.0
+    for index, (element_op, element_args, element_kwargs) in enumerate(
+        rule.element_calls(op, marked_args, marked_kwargs)
+    ):
+        marked, element_shape = flatten_call(tuple(element_args), element_kwargs)
+        element_leaves = [leaves[m.index] if isinstance(m, _Leaf) else m for m in marked]
+        element_positions: list[int] = []
+        for k, a in enumerate(element_leaves):
+            if isinstance(a, DTensor):
+                element_positions.append(k)
+            elif isinstance(a, torch.Tensor) and a.ndim != 0:
+                raise RuntimeError(
+                    f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
+                    f"argument at list position {index}, next to DTensors; convert it with "
+                    "distribute_tensor(t, mesh, placements) or DTensor.from_local first"
+                )
+        if not element_positions:
+            raise RuntimeError(
+                f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
+                "make the tensors at every position DTensors"
+            )
+        element_key = _element_key(element_op, element_shape, element_leaves)
+        decision = dispatcher._cache.get(element_key)
+        if decision is None:
+            try:
+                decision = dispatcher._propagate(element_op, element_leaves, element_shape, list(element_kwargs), element_positions)
+            except ShardingError as error:
+                raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
+            dispatcher._cache[element_key] = decision
+        for n, k in enumerate(element_positions):
+            leaf = marked[k].index
+            want = decision.input_placements[n]
+            if wanted.setdefault(leaf, want) != want:
+                raise ShardingError(
+                    f"{op}: its {names[leaf]!r} argument is shared by every list position, and position "
+                    f"{index} needs it as {format_placements(want)} where an earlier one needs "
+                    f"{format_placements(wanted[leaf])}; redistribute it to Replicate() first"
+                )
+        if op._schema.returns:
+            output_placements.append(decision.output_placements[0])
+            output_metas.append(decision.output_metas[0])
+        strategies.extend(decision.strategies)
+        cost += decision.cost
+    mesh = leaves[positions[0]]._spec.mesh
+    input_placements = tuple(wanted[i] for i in positions)
+    moves = tuple(n for n, i in enumerate(positions) if input_placements[n] != leaves[i]._spec.placements)
+    written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written -= set(rule.scratch)
+    write_back = tuple(n for n in moves if names[positions[n]] in written)
+    decision = Decision(
+        input_placements=input_placements,
+        output_placements=tuple(output_placements),
+        output_metas=tuple(output_metas),
+        strategies=tuple(strategies),
+        cost=cost,
+        inplace=is_inplace(op),
+        moves=moves,
+        output_specs=tuple(
+            None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
+        ),
+    )
+    return decision, write_back
