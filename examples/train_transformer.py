@@ -13,6 +13,8 @@ forward and backward only and reduce-scatters the gradients). The loss is comput
     python examples/train_transformer.py --check                # also compare with one device
     python examples/train_transformer.py --fsdp --check         # parameters, grads, AdamW state / (dp*tp)
     python examples/train_transformer.py --no-sequence-parallel # norms on whole (replicated) activations
+    python examples/train_transformer.py --steps 10 --save ckpt/step-10          # a DCP checkpoint
+    python examples/train_transformer.py --steps 20 --resume ckpt/step-10 --dp 1 --tp 4 --check  # any mesh
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
 Under torchrun (detected by the RANK env var) the ranks are processes talking over gloo;
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from spmd import checkpoint
 from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
@@ -75,6 +78,10 @@ class Config:
     """Run the norms on activations sharded over tp on the sequence dim."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over dp too (ZeRO-3) instead of replicating them."""
+    save: str | None = None
+    """Directory to write a distributed checkpoint (DCP's format) to after the last step."""
+    resume: str | None = None
+    """Checkpoint directory to continue from: its step, weights and AdamW state, on this run's mesh."""
 
 
 # ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
@@ -259,20 +266,40 @@ def train(cfg: Config) -> list[float]:
         # Every rank can build the global batch here; src_data_rank=None keeps its own dp slice, no traffic.
         return distribute_tensor(batch, mesh, [Shard(0), Replicate()], src_data_rank=None)
 
+    start = load_checkpoint(model, optimizer, cfg.resume) if cfg.resume else 0
     losses: list[float] = []
-    progress = _Progress(cfg, enabled=is_rank_0)
+    progress = _Progress(cfg, start=start, enabled=is_rank_0)
     comm = CommDebugMode()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         inputs, targets = batch_at(cfg, step)
-        # Count the collectives of a warm step (step 0 also creates the optimizer state).
-        with comm if step == min(1, cfg.steps - 1) else contextlib.nullcontext():
+        # Count the collectives of a warm step (the first step also creates the optimizer state).
+        with comm if step == min(start + 1, cfg.steps - 1) else contextlib.nullcontext():
             losses.append(train_step(model, optimizer, place(inputs), place(targets)))
         progress.update(step, losses[-1])
     progress.close()
+    if cfg.save:
+        save_checkpoint(model, optimizer, cfg.save, step=max(start, cfg.steps))
+        if is_rank_0:
+            print(f"saved step {max(start, cfg.steps)} to {cfg.save} (dp={cfg.dp}, tp={cfg.tp})")
     rows = _memory_rows(model, optimizer, mesh)  # after the last step: parameters, gradients, AdamW state
     if is_rank_0:
         _print_summary(cfg, rows, comm)
     return losses
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, *, step: int) -> None:
+    """Write the model, its AdamW state and the step count as a DCP checkpoint (each rank its own blocks)."""
+    model_state, optim_state = checkpoint.get_state_dict(model, optimizer)
+    checkpoint.save({"model": model_state, "optim": optim_state, "step": step}, directory)
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> int:
+    """Fill the model and optimizer from a checkpoint saved on any mesh; the step to continue from."""
+    model_state, optim_state = checkpoint.get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": 0}
+    checkpoint.load(state, directory)
+    checkpoint.set_state_dict(model, optimizer, state["model"], state["optim"])
+    return int(state["step"])
 
 
 def train_single_device(cfg: Config) -> list[float]:
@@ -286,15 +313,18 @@ def train_single_device(cfg: Config) -> list[float]:
 class _Progress:
     """A tqdm bar with loss and tokens/s when tqdm is installed, else one line per step (rank 0 only)."""
 
-    def __init__(self, cfg: Config, *, enabled: bool) -> None:
-        self.enabled, self.tokens_per_step, self.steps = enabled, cfg.batch_size * cfg.seq_len, cfg.steps
-        self.start = time.perf_counter()
-        self.bar = tqdm(total=cfg.steps, desc="train", unit="step") if enabled and tqdm is not None else None
+    def __init__(self, cfg: Config, *, start: int = 0, enabled: bool) -> None:
+        self.enabled, self.tokens_per_step = enabled, cfg.batch_size * cfg.seq_len
+        self.first, self.steps = start, cfg.steps
+        self.clock = time.perf_counter()
+        self.bar = (
+            tqdm(total=cfg.steps, initial=start, desc="train", unit="step") if enabled and tqdm is not None else None
+        )
 
     def update(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        tokens_per_s = (step + 1) * self.tokens_per_step / (time.perf_counter() - self.start)
+        tokens_per_s = (step + 1 - self.first) * self.tokens_per_step / (time.perf_counter() - self.clock)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             self.bar.update(1)
@@ -305,7 +335,8 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         if self.enabled:
-            print(f"trained {self.steps} steps in {time.perf_counter() - self.start:.1f} s")
+            ran = max(self.steps - self.first, 0)
+            print(f"trained {ran} steps in {time.perf_counter() - self.clock:.1f} s")
 
 
 def _human_bytes(n: float) -> str:
@@ -366,12 +397,12 @@ def _print_summary(cfg: Config, rows: list[MemoryRow], comm: CommDebugMode) -> N
         cells = "".join(f"{_human_bytes(n):>11}" for n in (row.params, row.grads, row.optimizer, row.total))
         print(f"  {row.rank:<6}{cells}  {row.total / full:6.1%} (1/{full / row.total:.2f})")
     counts, sizes = comm.get_comm_counts(), comm.get_comm_bytes()
-    print("\ncollectives per training step (step 2, forward + backward + optimizer)")
+    print("\ncollectives per training step (the second step run, forward + backward + optimizer)")
     print(f"  {'collective':<20}{'count':>7}{'bytes':>12}")
     for kind in sorted(counts):
         print(f"  {kind:<20}{counts[kind]:>7}{_human_bytes(sizes.get(kind, 0)):>12}")
     print(f"  {'total':<20}{comm.get_total_counts():>7}{_human_bytes(comm.get_total_bytes()):>12}")
-    print("\ncollectives per layer (step 2)")
+    print("\ncollectives per layer (the second step run)")
     for phase, backward in (("forward", False), ("backward", True)):
         per_module = comm.get_per_module_comm_counts(backward=backward)
         for layer in [f"GPT.layers.{i}" for i in range(cfg.n_layers)]:
@@ -395,15 +426,33 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
     parser.add_argument(
         "--fsdp", action="store_true", help="fully shard parameters, gradients and AdamW state over dp (ZeRO-3)"
     )
+    parser.add_argument("--save", metavar="DIR", help="write a distributed checkpoint (DCP) after the last step")
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue from a checkpoint, saved on any mesh, up to --steps in all"
+    )
     parser.add_argument("--check", action="store_true", help="compare the loss curve with a single-device run")
     args = parser.parse_args(argv)
-    cfg = Config(steps=args.steps, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, fsdp=args.fsdp)
+    cfg = Config(
+        steps=args.steps,
+        dp=args.dp,
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
+        fsdp=args.fsdp,
+        save=args.save,
+        resume=args.resume,
+    )
     return cfg, args.check
 
 
 def check_against_single_device(cfg: Config, losses: Sequence[float]) -> None:
-    """Raise if the distributed loss curve differs from one device's (rtol 1e-4)."""
-    expected = train_single_device(replace(cfg, dp=1, tp=1, fsdp=False))
+    """Raise if the distributed loss curve differs from one device's (rtol 1e-4).
+
+    A resumed run is compared with the last steps of an uninterrupted single-device run.
+    """
+    if not losses:
+        print("no step ran (the checkpoint is already at --steps); nothing to compare")
+        return
+    expected = train_single_device(replace(cfg, dp=1, tp=1, fsdp=False))[cfg.steps - len(losses) :]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
     print(f"loss matches single device ({len(expected)} steps, {expected[0]:.4f} -> {expected[-1]:.4f})")
 

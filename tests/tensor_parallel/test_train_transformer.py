@@ -154,3 +154,26 @@ def test_torchrun_fsdp_four_processes_on_gloo() -> None:
     result = _torchrun(4, "--fsdp", "--steps", "3", "--check")
     assert "loss matches single device (3 steps" in result.stdout, result.stdout
     assert "dp=2 fully sharded (--fsdp) x tp=2" in result.stdout, result.stdout
+
+
+def test_resume_on_another_mesh_continues_the_loss_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--save on dp=2 x tp=2, --resume on tp=4 and on 2 ranks with FSDP: the steps after the checkpoint
+    give the losses of one uninterrupted run (the checkpoint is DCP's format, each rank its own blocks)."""
+    uninterrupted = demo.train_single_device(demo.Config(steps=5))
+    checkpoint = str(tmp_path / "step-3")
+    first = demo.main(["--steps", "3", "--save", checkpoint])
+    assert (tmp_path / "step-3" / ".metadata").exists()
+    for mesh in (["--dp", "1", "--tp", "4"], ["--dp", "2", "--tp", "1", "--fsdp"]):
+        resumed = demo.main(["--steps", "5", "--resume", checkpoint, *mesh])
+        torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(uninterrupted), rtol=1e-4, atol=1e-6)
+    assert "saved step 3 to" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_torchrun_fsdp_checkpoint_resumes_on_two_threads(tmp_path: Path) -> None:
+    """Saved by 4 gloo processes under --fsdp, resumed by 2 rank threads with tensor parallelism only."""
+    checkpoint = str(tmp_path / "step-3")
+    _torchrun(4, "--fsdp", "--steps", "3", "--save", checkpoint)
+    resumed = demo.main(["--steps", "5", "--resume", checkpoint, "--dp", "1", "--tp", "2"])
+    expected = demo.train_single_device(demo.Config(steps=5))[3:]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-4, atol=1e-6)
