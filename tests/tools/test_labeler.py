@@ -1,4 +1,4 @@
-"""The labeler config (actions/labeler v5) tags DTensor and tensor-parallel changes with PyTorch's module labels."""
+"""The labeler config (actions/labeler v5) tags DTensor, tensor-parallel, FSDP and checkpoint changes with PyTorch's module labels."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def labels_for(path: str) -> set[str]:
 
 def test_labeler_is_v5_shaped() -> None:
     config = yaml.safe_load(LABELER.read_text())
-    assert set(config) == {"module: dtensor", "module: tensor parallel"}
+    assert set(config) == {"module: dtensor", "module: tensor parallel", "module: fsdp", "module: distributed_checkpoint"}
     for rules in config.values():
         assert all(set(rule) == {"changed-files"} for rule in rules)
 
@@ -38,6 +38,9 @@ def test_labeler_is_v5_shaped() -> None:
         ("spmd/tensor_parallel/linear.py", {"module: tensor parallel"}),
         ("tests/tensor_parallel/test_styles.py", {"module: tensor parallel"}),
         ("spmd/tensor/parallel/__init__.py", {"module: dtensor", "module: tensor parallel"}),
+        ("spmd/fsdp/state.py", {"module: fsdp"}),
+        ("tests/checkpoint/test_dcp.py", {"module: distributed_checkpoint"}),
+        ("spmd/tensor/checkpoint_protocol.py", {"module: dtensor", "module: distributed_checkpoint"}),
         ("README.md", set()),
     ],
 )
