@@ -30,23 +30,20 @@ import argparse
 import contextlib
 import logging
 import os
-import pickle
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from spmd.testing import run_multiprocess
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_transformer import Block, Config, apply_tp_and_dp, batch_at, build_model
@@ -186,67 +183,33 @@ def _quiet_torch() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _gloo_entry(rank: int, port: int, cfg: Config, warmup: int, steps: int, out_path: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)  # four ranks on the machine's cores; intra-op threads would fight them
+def _compare_on_this_rank(cfg: Config, warmup: int, steps: int) -> tuple[Result, Result]:
+    """One rank of the gloo world: both libraries' steps, interleaved; (ours, torch's)."""
     _quiet_torch()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
-    try:
-        trainers: list[_Ours | _Torch] = [_Ours(cfg), _Torch(cfg)]
-        times: list[list[float]] = [[], []]
-        losses: list[list[float]] = [[], []]
-        for step in range(warmup + steps):
-            for i, trainer in enumerate(trainers):
-                dist.barrier()
-                seconds, loss = trainer.step(step)
-                if step >= warmup:
-                    times[i].append(seconds)
-                    losses[i].append(loss)
-        peaks = []
-        for trainer in trainers:
-            mine = torch.tensor([state_bytes(trainer.model, trainer.optimizer)], dtype=torch.int64)
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            peaks.append(int(mine.item()))
-        results = [
-            Result(step_s=tuple(t), losses=tuple(ls), state_bytes=peak) for t, ls, peak in zip(times, losses, peaks)
-        ]
-        if rank == 0:
-            with open(out_path, "wb") as file:
-                pickle.dump(results, file)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    trainers: list[_Ours | _Torch] = [_Ours(cfg), _Torch(cfg)]
+    times: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[], []]
+    for step in range(warmup + steps):
+        for i, trainer in enumerate(trainers):
+            dist.barrier()
+            seconds, loss = trainer.step(step)
+            if step >= warmup:
+                times[i].append(seconds)
+                losses[i].append(loss)
+    peaks = []
+    for trainer in trainers:
+        mine = torch.tensor([state_bytes(trainer.model, trainer.optimizer)], dtype=torch.int64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        peaks.append(int(mine.item()))
+    ours, theirs = (
+        Result(step_s=tuple(t), losses=tuple(ls), state_bytes=peak) for t, ls, peak in zip(times, losses, peaks)
+    )
+    return ours, theirs
 
 
 def measure(cfg: Config, *, warmup: int, steps: int) -> tuple[Result, Result]:
     """Both libraries on 4 spawned gloo processes; (ours, torch's) as seen by rank 0."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.pkl")
-        context = mp.start_processes(
-            _gloo_entry, args=(_free_port(), cfg, warmup, steps, out_path), nprocs=WORLD, join=False,
-            start_method="spawn",
-        )  # fmt: skip
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the gloo world did not finish in {TIMEOUT_S:g}s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
-        with open(out_path, "rb") as file:
-            ours, theirs = pickle.load(file)
+    ours, theirs = run_multiprocess(_compare_on_this_rank, WORLD, cfg, warmup, steps, timeout=TIMEOUT_S)[0]
     return ours, theirs
 
 
