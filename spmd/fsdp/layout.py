@@ -112,11 +112,8 @@ def shard_parameter(
             local = detached.redistribute(mesh, sharded_placements)  # R -> S(k): a local cut, no traffic
         else:
             local = distribute_tensor(param.detach(), mesh, sharded_placements, src_data_rank=None)
+    # Kept whole over dp (k is None), its gradient is reduced there by FullyShardState in backward.
     sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-    if k is None and sharded.requires_grad:
-        # Kept whole over dp, its gradient arrives Partial(sum) there (each dp rank saw its part of
-        # the batch): reduce it once, in backward, to the parameter's layout.
-        sharded.register_hook(lambda grad: grad.redistribute(mesh, placements))  # type: ignore[no-untyped-call]
     setattr(sharded, _MANAGED_ATTR, True)
     module.register_parameter(name, sharded)
     return ShardedParameter(module, name, sharded, placements)

@@ -12,6 +12,13 @@
   backward         the gathered copies' gradients, Partial(sum) over dp, are reduce-scattered in
                    one collective per dtype back to the shards, so ``.grad`` is laid out like the
                    parameter
+  kept whole       a parameter kept Replicate() over dp (no dim to cut) is shadowed in forward
+                   by an identity whose backward all-reduces its gradient over dp. Not a tensor
+                   hook on the parameter: pickle and deepcopy drop those, and a copied module
+                   would leave the gradient Partial(sum)
+
+The hooks on the module are bound methods of this state, which holds only the mesh, the parameters
+and their modules, so a fully_shard'ed module pickles and deep-copies (outside forward).
 
 Every collective goes through ``redistribute``, so CommDebugMode and the verbose log see them.
 """
@@ -49,9 +56,11 @@ class FullyShardState:
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         self._gathered = _gather(self.groups)
+        whole = _reduce_grads_over_dp(self.params) if torch.is_grad_enabled() else {}
         for p in self.params:
-            # the gathered copy shadows the registered shard until after forward
-            p.module.__dict__[p.name] = self._gathered.get(id(p.parameter), p.parameter)
+            # the gathered copy (or the reducing identity) shadows the registered shard until after forward
+            key = id(p.parameter)
+            p.module.__dict__[p.name] = self._gathered.get(key, whole.get(key, p.parameter))
 
     def after_forward(self, module: nn.Module, args: Any, outputs: Any) -> Any:
         for p in self.params:
@@ -73,6 +82,31 @@ def _gather(groups: Sequence[FlatGroup]) -> dict[int, DTensor]:
     return {
         id(piece.param.parameter): full for group in groups for piece, full in zip(group.pieces, group.gather())
     }
+
+
+def _reduce_grads_over_dp(params: Sequence[ShardedParameter]) -> dict[int, DTensor]:
+    """For each parameter kept whole over dp that needs a gradient, its identity that reduces the gradient."""
+    whole: dict[int, DTensor] = {}
+    for p in params:
+        if not p.is_sharded and p.parameter.requires_grad and id(p.parameter) not in whole:
+            whole[id(p.parameter)] = _ReduceGradOverDp.apply(p.parameter)  # type: ignore[no-untyped-call]
+    return whole
+
+
+class _ReduceGradOverDp(torch.autograd.Function):
+    """Identity on a parameter kept whole over dp; backward reduces its gradient to the parameter's layout.
+
+    Each dp rank saw its part of the batch, so the gradient arrives Partial(sum) over dp.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor) -> DTensor:
+        ctx.placements = param.placements
+        return DTensor(param._local_tensor, param._spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> DTensor:
+        return grad.redistribute(placements=ctx.placements)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,6 +94,10 @@ def distribute_module(
     ``partition_fn(name, submodule, mesh)`` runs on every submodule and may replace parameters with
     sharded DTensors; whatever it leaves as a plain tensor is replicated. ``input_fn`` /
     ``output_fn`` run before / after ``module.forward`` to convert inputs and outputs.
+
+    The hooks hold ``input_fn`` / ``output_fn`` and the mesh, nothing else, so the module pickles
+    (``pickle``, ``torch.save``) when those two do: module-level functions, ``functools.partial``
+    of them, or instances of module-level classes, not lambdas or nested functions.
     """
     if getattr(module, "_spmd_distributed", False):
         raise RuntimeError("distribute_module was already called on this module; call it once")
@@ -101,11 +106,36 @@ def distribute_module(
             partition_fn(name, submodule, device_mesh)
         _replicate_leftovers(submodule, device_mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        module.register_forward_pre_hook(_InputFnHook(input_fn, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        module.register_forward_hook(_OutputFnHook(output_fn, device_mesh))
     module._spmd_distributed = True  # type: ignore[assignment]
     return module
+
+
+@dataclass(frozen=True, slots=True)
+class _InputFnHook:
+    """The forward pre-hook ``distribute_module`` registers: ``input_fn(module, inputs, mesh)``.
+
+    A value rather than a closure, so that the module pickles and deep-copies.
+    """
+
+    input_fn: Callable[[nn.Module, Any, DeviceMesh], Any]
+    mesh: DeviceMesh
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...]) -> Any:
+        return self.input_fn(module, inputs, self.mesh)
+
+
+@dataclass(frozen=True, slots=True)
+class _OutputFnHook:
+    """The forward hook ``distribute_module`` registers: ``output_fn(module, outputs, mesh)``."""
+
+    output_fn: Callable[[nn.Module, Any, DeviceMesh], Any]
+    mesh: DeviceMesh
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...], outputs: Any) -> Any:
+        return self.output_fn(module, outputs, self.mesh)
 
 
 def _replicate_leftovers(module: nn.Module, mesh: DeviceMesh) -> None:

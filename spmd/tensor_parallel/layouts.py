@@ -3,11 +3,16 @@
 A style's layout is one placement on the tensor-parallel mesh dim (``tp_dim``). On an n-d mesh the
 other dims are left as they come: a DTensor keeps its placements there (e.g. ``Shard(0)`` over
 ``dp`` for the batch), and a parameter or a plain-tensor input is ``Replicate()`` there.
+
+The hooks a style registers on a module are frozen dataclasses with ``__call__`` (never lambdas or
+closures) holding only the style, the mesh, placements and plain values, so that a parallelised
+module pickles, saves with ``torch.save`` and deep-copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +28,7 @@ __all__ = [
     "as_dtensor",
     "relayout",
     "first_tensor_input",
+    "FirstInputLayout",
     "module_output",
     "distribute_parameters",
 ]
@@ -103,6 +109,26 @@ def first_tensor_input(module: nn.Module, inputs: tuple[Any, ...], style: object
             f"tensor; got {got}. Use PrepareModuleInput for modules with other inputs"
         )
     return inputs[0]
+
+
+@dataclass(frozen=True, slots=True)
+class FirstInputLayout:
+    """A ``distribute_module`` input_fn: the first positional input, read as ``given`` and redistributed to ``desired``.
+
+    Both layouts are on mesh dim ``tp_dim``; the other inputs pass through as they are.
+    """
+
+    style: object
+    """The style that registered it, named in errors."""
+    given: Placement
+    """How a plain-tensor input is laid out on each rank."""
+    desired: Placement
+    """The layout the module's forward computes with."""
+    tp_dim: int
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = as_dtensor(first_tensor_input(module, inputs, self.style), mesh, self.given, self.tp_dim)
+        return (relayout(x, self.desired, use_local=False, tp_dim=self.tp_dim), *inputs[1:])
 
 
 def module_output(module: nn.Module, outputs: Any, style: object) -> DTensor:

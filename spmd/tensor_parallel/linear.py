@@ -18,9 +18,8 @@ from torch import nn
 
 from spmd.tensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
 from spmd.tensor_parallel.layouts import (
-    as_dtensor,
+    FirstInputLayout,
     distribute_parameters,
-    first_tensor_input,
     module_output,
     relayout,
     resolve_tp_mesh_dim,
@@ -62,14 +61,23 @@ def _apply_linear_style(
         if submodule is module:
             distribute_parameters(module, mesh, parameter_layouts, src_data_rank, tp)
 
-    def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], _mesh: DeviceMesh) -> tuple[Any, ...]:
-        x = as_dtensor(first_tensor_input(mod, inputs, style), mesh, input_layout, tp)
-        return (relayout(x, desired_input_layout, use_local=False, tp_dim=tp), *inputs[1:])
-
-    def prepare_output(mod: nn.Module, outputs: Any, _mesh: DeviceMesh) -> torch.Tensor:
-        return relayout(module_output(mod, outputs, style), output_layout, use_local=use_local, tp_dim=tp)
-
+    prepare_input = FirstInputLayout(style, input_layout, desired_input_layout, tp)
+    prepare_output = _OutputLayout(style, output_layout, use_local, tp)
     return distribute_module(module, mesh, partition, prepare_input, prepare_output)
+
+
+@dataclass(frozen=True, slots=True)
+class _OutputLayout:
+    """The linear styles' ``distribute_module`` output_fn: the output redistributed to ``layout`` on the tp dim."""
+
+    style: ParallelStyle
+    layout: Placement
+    use_local: bool
+    tp_dim: int
+
+    def __call__(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> torch.Tensor:
+        output = module_output(module, outputs, self.style)
+        return relayout(output, self.layout, use_local=self.use_local, tp_dim=self.tp_dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

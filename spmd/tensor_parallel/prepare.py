@@ -145,16 +145,8 @@ class PrepareModuleInput(ParallelStyle):
         tp_mesh_dim: int | str | None = None,
     ) -> nn.Module:
         tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
-        if self.input_kwarg_layouts:
-            module.register_forward_pre_hook(
-                lambda mod, args, kwargs: (
-                    self.prepare_inputs(mod, args, device_mesh, tp),
-                    self.prepare_kwargs(mod, kwargs, device_mesh, tp),
-                ),
-                with_kwargs=True,
-            )
-        else:
-            module.register_forward_pre_hook(lambda mod, args: self.prepare_inputs(mod, args, device_mesh, tp))
+        hook = _PrepareInputsHook(self, device_mesh, tp)
+        module.register_forward_pre_hook(hook, with_kwargs=bool(self.input_kwarg_layouts))
         return module
 
 
@@ -205,8 +197,37 @@ class PrepareModuleOutput(ParallelStyle):
         tp_mesh_dim: int | str | None = None,
     ) -> nn.Module:
         tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
-        module.register_forward_hook(lambda mod, args, outputs: self.prepare_outputs(mod, outputs, device_mesh, tp))
+        module.register_forward_hook(_PrepareOutputsHook(self, device_mesh, tp))
         return module
+
+
+@dataclass(frozen=True, slots=True)
+class _PrepareInputsHook:
+    """Forward pre-hook: the positional inputs (and, when given, the keyword inputs) laid out as ``style`` says."""
+
+    style: PrepareModuleInput
+    mesh: DeviceMesh
+    tp_dim: int
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> tuple[Any, ...] | tuple[tuple[Any, ...], dict[str, Any]]:
+        inputs = self.style.prepare_inputs(module, args, self.mesh, self.tp_dim)
+        if kwargs is None:  # registered without with_kwargs: the style lays out no keyword input
+            return inputs
+        return inputs, self.style.prepare_kwargs(module, kwargs, self.mesh, self.tp_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class _PrepareOutputsHook:
+    """Forward hook: the outputs laid out as ``style`` says."""
+
+    style: PrepareModuleOutput
+    mesh: DeviceMesh
+    tp_dim: int
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], outputs: Any) -> Any:
+        return self.style.prepare_outputs(module, outputs, self.mesh, self.tp_dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,17 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module
-from spmd.tensor_parallel.layouts import (
-    as_dtensor,
-    distribute_parameters,
-    first_tensor_input,
-    relayout,
-    resolve_tp_mesh_dim,
-)
+from spmd.tensor_parallel.layouts import FirstInputLayout, distribute_parameters, resolve_tp_mesh_dim
 from spmd.tensor_parallel.style import ParallelStyle
 
 __all__ = ["SequenceParallel"]
@@ -58,13 +51,17 @@ class SequenceParallel(ParallelStyle):
             replicated = {param_name: Replicate() for param_name in submodule._parameters}
             distribute_parameters(submodule, mesh, replicated, src_data_rank, tp)
 
-        def prepare_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            x = as_dtensor(first_tensor_input(mod, inputs, self), mesh, layout, tp)
-            return (relayout(x, layout, use_local=False, tp_dim=tp), *inputs[1:])
+        prepare_input = FirstInputLayout(self, layout, layout, tp)
+        return distribute_module(module, device_mesh, partition, prepare_input, _LocalOutput(self.use_local_output))
 
-        def prepare_output(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> torch.Tensor:
-            if self.use_local_output and isinstance(outputs, DTensor):
-                return outputs.to_local()
-            return outputs
 
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+@dataclass(frozen=True, slots=True)
+class _LocalOutput:
+    """The ``distribute_module`` output_fn of SequenceParallel: the output as it is, or its local piece."""
+
+    use_local: bool
+
+    def __call__(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        if self.use_local and isinstance(outputs, DTensor):
+            return outputs.to_local()
+        return outputs

@@ -21,7 +21,9 @@ class ParallelStyle(ABC):
     A style is a frozen config; ``apply`` does the work, so one style object may be used for many
     modules (``parallelize_module`` applies it to every module a wildcard key matches). On an n-d
     mesh a style acts on the tp dim only: parameters are ``Replicate()`` on the other dims, and
-    DTensor activations keep their placements there.
+    DTensor activations keep their placements there. The hooks ``apply`` registers are frozen
+    dataclasses with ``__call__``, never lambdas or closures, so a parallelised module pickles,
+    saves with ``torch.save`` and deep-copies.
     """
 
     __slots__ = ()
