@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -128,9 +129,10 @@ class DeviceMesh:
         return sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
 
     def get_communicator(self, mesh_dim: int | str) -> Communicator:
-        """The caller's communicator along ``mesh_dim``."""
+        """The caller's communicator along ``mesh_dim``, labelled with the dim's name for errors."""
         dim = self.dim_index(mesh_dim)
-        return self._world.communicator(self._dim_groups[dim][self._world.current_rank()])
+        comm = self._world.communicator(self._dim_groups[dim][self._world.current_rank()])
+        return comm.on_mesh_dim(self.mesh_dim_names[dim] if self.mesh_dim_names else str(dim))
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
         """The process group along ``mesh_dim`` (a c10d group under torchrun, else the communicator)."""
@@ -232,18 +234,55 @@ def init_device_mesh(
     mesh_shape: Sequence[int],
     *,
     mesh_dim_names: Sequence[str] | None = None,
+    timeout: timedelta | float | None = None,
 ) -> DeviceMesh:
     """A mesh of ``mesh_shape`` over every rank of the current world, ranks in row-major order.
 
     Under torchrun this uses the default c10d group (started on first use: gloo for cpu, nccl for
-    cuda); inside ``spmd.testing.run_threaded`` it uses the threaded world.
+    cuda); inside ``spmd.testing.run_threaded`` it uses the threaded world. ``timeout`` (a
+    timedelta or seconds) bounds every collective on the mesh's groups; by default they inherit
+    the default group's (``init_process_group(timeout=...)``) or the threaded world's.
+
+    Every rank must pass the same shape and names: the ranks compare them first (one small
+    exchange over the world) and all raise, naming the ranks that differ, if they do not.
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    world = current_world(device_type)
+    # A plain string is refused by DeviceMesh with a hint, after the ranks have compared it.
+    names = mesh_dim_names if mesh_dim_names is None or isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+    timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}; pass seconds or a timedelta")
+    world = current_world(device_type, timeout_s=timeout_s)
+    _check_ranks_agree(world, mesh_shape, names, timeout_s)
     if math.prod(mesh_shape) != world.size:
         raise ValueError(
             f"mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world.size}; "
             "make the product of the mesh shape equal the world size"
         )
     ranks = torch.arange(world.size).reshape(mesh_shape)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
+    world.create_groups(mesh._groups(), timeout_s=timeout_s)
+    return mesh
+
+
+def _check_ranks_agree(
+    world: World, mesh_shape: tuple[int, ...], names: str | tuple[str, ...] | None, timeout_s: float | None
+) -> None:
+    """Raise on every rank unless all ranks passed the same mesh shape and names."""
+    everyone = tuple(range(world.size))
+    world.create_groups([everyone], timeout_s=timeout_s)
+    mine = (mesh_shape, names)
+    described = world.communicator(everyone).all_gather_object(mine)
+    if all(theirs == mine for theirs in described):
+        return
+    by_args: dict[Any, list[int]] = {}
+    for rank, args in enumerate(described):
+        by_args.setdefault(args, []).append(rank)
+    listed = "; ".join(
+        f"ranks {ranks}: mesh_shape={shape}, mesh_dim_names={dim_names}"
+        for (shape, dim_names), ranks in by_args.items()
+    )
+    raise ValueError(
+        f"init_device_mesh was called with different arguments on different ranks ({listed}); "
+        "every rank must build the same mesh"
+    )

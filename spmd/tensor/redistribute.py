@@ -284,7 +284,7 @@ def _run_step(
 ) -> torch.Tensor:
     mesh, d, src_p, dst_p = spec.mesh, step.mesh_dim, step.src, step.dst
     if isinstance(src_p, Shard):
-        comm = mesh.get_communicator(d)
+        comm = mesh.get_communicator(d).with_context(spec, step)  # the check names the step
         full = _level_size(spec, cur, coord, src_p.dim, d)
         if isinstance(dst_p, Shard):
             return _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
@@ -292,7 +292,7 @@ def _run_step(
             return _pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
         return _all_gather(local, comm, src_p.dim, full)
     if isinstance(src_p, Partial):
-        comm = mesh.get_communicator(d)
+        comm = mesh.get_communicator(d).with_context(spec, step)
         if isinstance(dst_p, Shard):
             return _reduce_scatter(local, comm, dst_p.dim, src_p.reduce_op)
         return comm.all_reduce(local, src_p.reduce_op)

@@ -7,15 +7,17 @@ import threading
 import torch.distributed
 
 from spmd.tensor.comm.base import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveMismatchError,
     CollectiveRecord,
+    CollectiveTimeoutError,
     Communicator,
     World,
     add_comm_observer,
     remove_comm_observer,
 )
 from spmd.tensor.comm.threaded import (
-    CollectiveAbortedError,
-    CollectiveTimeoutError,
     ThreadedWorld,
     current_threaded_world,
     run_threaded,
@@ -23,6 +25,8 @@ from spmd.tensor.comm.threaded import (
 
 __all__ = [
     "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveRecord",
     "CollectiveTimeoutError",
     "Communicator",
@@ -38,10 +42,11 @@ _c10d_world_lock = threading.Lock()
 _c10d_world: World | None = None
 
 
-def current_world(device_type: str = "cpu") -> World:
+def current_world(device_type: str = "cpu", *, timeout_s: float | None = None) -> World:
     """The world the caller is a rank of: its threaded world, else the c10d default group.
 
-    Under torchrun the default group is created on first use (gloo for cpu, nccl for cuda).
+    Under torchrun the default group is created on first use (gloo for cpu, nccl for cuda), with
+    ``timeout_s`` as its collective timeout when given.
     """
     global _c10d_world
     threaded = current_threaded_world()
@@ -50,8 +55,8 @@ def current_world(device_type: str = "cpu") -> World:
     from spmd.tensor.comm.c10d import C10dWorld
 
     with _c10d_world_lock:
-        C10dWorld.ensure_initialized(device_type)
+        C10dWorld.ensure_initialized(device_type, timeout_s)
         # A torchrun job may tear the default group down and start a new one (tests do).
         if _c10d_world is None or _c10d_world.size != torch.distributed.get_world_size():
-            _c10d_world = C10dWorld()
+            _c10d_world = C10dWorld(device_type)
         return _c10d_world

@@ -8,6 +8,7 @@ job (the redistribute executor), so both backends run the same data path.
 
 from __future__ import annotations
 
+import copy
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -16,9 +17,61 @@ from typing import Any
 
 import torch
 
-__all__ = ["Communicator", "World", "CollectiveRecord", "add_comm_observer", "remove_comm_observer"]
+__all__ = [
+    "Communicator",
+    "World",
+    "CollectiveRecord",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "CollectiveAbortedError",
+    "CollectiveMismatchError",
+    "CollectiveCheck",
+    "add_comm_observer",
+    "remove_comm_observer",
+    "set_collective_check",
+]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete on this rank; the message names it, its mesh dim and its ranks."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective waited longer than its group's timeout for the other ranks to join."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """Another rank failed (raised, or its process died), so this rank's collective was cancelled."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks were about to issue different collectives (raised on every rank, by the collective check)."""
+
+
+def collective_name(kind: str, ranks: tuple[int, ...], mesh_dim: str | None) -> str:
+    """``all_reduce on mesh dim 'tp' (ranks [0, 1])``: how errors name a collective."""
+    if mesh_dim is None:
+        return f"{kind} (ranks {list(ranks)})"
+    label = mesh_dim if mesh_dim.isdigit() else repr(mesh_dim)  # an unnamed dim is its index
+    return f"{kind} on mesh dim {label} (ranks {list(ranks)})"
+
+
+CollectiveCheck = Callable[["Communicator", str, "torch.Tensor | None", str], None]
+"""``check(comm, kind, tensor, detail)``: runs before each collective while installed (debug/check.py)."""
+
+_collective_check: CollectiveCheck | None = None
+
+
+def set_collective_check(check: CollectiveCheck | None) -> None:
+    """Install (or, with None, remove) the hook every collective calls before it runs.
+
+    ``spmd.tensor.debug.check_collectives`` uses it; with none installed a collective pays one
+    global read.
+    """
+    global _collective_check
+    _collective_check = check
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +122,50 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Communicator(ABC):
-    """Collectives over the ranks of one mesh dimension (``ranks`` in group order)."""
+    """Collectives over the ranks of one mesh dimension (``ranks`` in group order).
 
-    def __init__(self, ranks: tuple[int, ...]) -> None:
+    ``mesh_dim`` names the mesh dim the caller reached it through (errors name it), and
+    ``timeout_s`` is how long a collective waits for the other ranks before raising.
+    """
+
+    mesh_dim: str | None = None
+    context: tuple[Any, ...] = ()
+    """What the caller is doing (a redistribute step and its spec), for the collective check."""
+
+    def __init__(self, ranks: tuple[int, ...], *, timeout_s: float | None = None) -> None:
         self.ranks = ranks
         self.size = len(ranks)
+        self.timeout_s = timeout_s
+        self._views: dict[str, Communicator] = {}
 
     @property
     @abstractmethod
     def local_rank(self) -> int:
         """Index of the calling rank inside ``ranks``."""
+
+    def on_mesh_dim(self, name: str) -> Communicator:
+        """This communicator labelled as mesh dim ``name`` (same group, same state; cached)."""
+        view = self._views.get(name)
+        if view is None:
+            view = copy.copy(self)
+            view.mesh_dim = name
+            view = self._views.setdefault(name, view)
+        return view
+
+    def with_context(self, *context: Any) -> Communicator:
+        """This communicator with ``context`` attached to the fingerprints the collective check compares.
+
+        Free when no check is installed (returns ``self``).
+        """
+        if _collective_check is None:
+            return self
+        view = copy.copy(self)
+        view.context = context
+        return view
+
+    def describe(self, kind: str) -> str:
+        """``all_reduce on mesh dim 'tp' (ranks [0, 1])``: how errors name a collective."""
+        return collective_name(kind, self.ranks, self.mesh_dim)
 
     def _record(self, kind: str, tensor_bytes: int) -> None:
         if _observers:
@@ -88,35 +175,49 @@ class Communicator(ABC):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Blocks of every member stacked on a new dim 0: shape ``[size, *tensor.shape]``."""
+        if _collective_check is not None:
+            _collective_check(self, "all_gather", tensor, "")
         self._record("all_gather", _nbytes(tensor) * self.size)
         return self._all_gather(tensor.contiguous())
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        if _collective_check is not None:
+            _collective_check(self, "all_reduce", tensor, reduce_op)
         self._record("all_reduce", _nbytes(tensor))
         return self._all_reduce(tensor.contiguous(), reduce_op)
 
     def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """Reduce ``stacked`` (``[size, *block]``) over members; member i keeps reduced block i."""
+        if _collective_check is not None:
+            _collective_check(self, "reduce_scatter", stacked, reduce_op)
         self._record("reduce_scatter", _nbytes(stacked))
         return self._reduce_scatter(stacked.contiguous(), reduce_op)
 
     def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         """Member i sends block j to member j; the result stacks the blocks received, by sender."""
+        if _collective_check is not None:
+            _collective_check(self, "all_to_all", stacked, "")
         self._record("all_to_all", _nbytes(stacked))
         return self._all_to_all(stacked.contiguous())
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Every member gets member ``src``'s tensor (``src`` is an index into ``ranks``)."""
+        if _collective_check is not None:
+            _collective_check(self, "broadcast", tensor, f"src={src}")
         self._record("broadcast", _nbytes(tensor))
         return self._broadcast(tensor.contiguous(), src)
 
     def scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         """Member i gets block i of member ``src``'s ``stacked``; every member passes a same-shaped buffer."""
+        if _collective_check is not None:
+            _collective_check(self, "scatter", stacked, f"src={src}")
         self._record("scatter", _nbytes(stacked))
         return self._scatter(stacked.contiguous(), src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""
+        if _collective_check is not None:
+            _collective_check(self, "all_gather_object", None, "")
         return self._all_gather_object(obj)
 
     @abstractmethod
@@ -156,8 +257,12 @@ class World(ABC):
         """The communicator over ``ranks``; must have been created by ``create_groups``."""
 
     @abstractmethod
-    def create_groups(self, groups: list[tuple[int, ...]]) -> None:
-        """Create communicators for ``groups``; every rank calls this with the same list, in order."""
+    def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
+        """Create communicators for ``groups``; every rank calls this with the same list, in order.
+
+        ``timeout_s`` bounds each collective on the new groups (None: the world's own timeout).
+        Groups that already exist keep theirs.
+        """
 
     def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """The groups among ``groups`` that only a collective ``create_groups`` call could still make.

@@ -1,18 +1,27 @@
 """The torch.distributed backend: gloo on CPU, NCCL on CUDA, under torchrun or any launcher.
 
 Sub-groups are created once per mesh dimension (every rank creates every group, in the same order,
-as c10d requires) and reused by every later collective.
+as c10d requires) and reused by every later collective. They use the timeout the user gave
+(``init_device_mesh(timeout=...)``, else ``init_process_group(timeout=...)``), not c10d's 30-minute
+default for new groups, so a stuck or dead rank ends the job within that timeout.
+
+A collective that fails in the backend is re-raised as ``CollectiveTimeoutError`` (the group's
+timeout passed) or ``CollectiveAbortedError`` (a peer's connection closed: it died or tore down),
+naming the collective, the mesh dim and the group's ranks. c10d does not tell which rank of the
+group did not arrive; the message says so and lists the group.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from spmd.tensor.comm.base import Communicator, World
+from spmd.tensor.comm.base import CollectiveAbortedError, CollectiveTimeoutError, Communicator, World
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
@@ -32,11 +41,36 @@ def _reduce_op(reduce_op: str, backend: str) -> tuple[Any, bool]:
     return _C10D_OPS[reduce_op], False
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_PEER_LOST_WORDS = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "socket closed",
+    "read error",
+    "write error",
+)
+
+
+def _default_group_timeout_s(device_type: str) -> float | None:
+    """The timeout the default group was created with (the user's ``init_process_group(timeout=)``).
+
+    c10d has no public getter; the backend's options hold it. None if this torch hides it, in
+    which case new groups get c10d's own default.
+    """
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device(device_type))  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 class C10dCommunicator(Communicator):
     """Collectives over a c10d process group holding ``ranks``."""
 
-    def __init__(self, ranks: tuple[int, ...], group: Any) -> None:
-        super().__init__(ranks)
+    def __init__(self, ranks: tuple[int, ...], group: Any, *, timeout_s: float | None = None) -> None:
+        super().__init__(ranks, timeout_s=timeout_s)
         self.group = group
         self.backend = dist.get_backend(group)
         self._local_rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
@@ -45,6 +79,33 @@ class C10dCommunicator(Communicator):
     @property
     def local_rank(self) -> int:
         return self._local_rank
+
+    def _run(self, kind: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, with a backend timeout or lost peer re-raised as a named error."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            self._raise_named(kind, error)
+
+    def _raise_named(self, kind: str, error: RuntimeError) -> NoReturn:
+        text = str(error)
+        lowered = text.lower()
+        me = dist.get_rank()
+        name = self.describe(kind)
+        if any(word in lowered for word in _TIMEOUT_WORDS):
+            limit = f" after {self.timeout_s:g}s" if self.timeout_s is not None else ""
+            raise CollectiveTimeoutError(
+                f"rank {me}: {name} timed out{limit}: a rank of {list(self.ranks)} did not arrive (stuck, "
+                "dead, or issuing a different collective); c10d does not say which, so look for the rank "
+                "whose own error is not a timeout, or run with SPMD_DEBUG=check to compare what every rank "
+                f"issues. Backend error: {text}"
+            ) from error
+        if any(word in lowered for word in _PEER_LOST_WORDS):
+            raise CollectiveAbortedError(
+                f"rank {me}: {name} failed because a peer of {list(self.ranks)} went away (its process "
+                f"died or raised); see that rank's own error. Backend error: {text}"
+            ) from error
+        raise error
 
     def _finish_avg(self, tensor: torch.Tensor, divide: bool) -> torch.Tensor:
         if not divide:
@@ -56,13 +117,13 @@ class C10dCommunicator(Communicator):
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         # gloo checks each output chunk against the input's shape, so gather flat and view.
         out = tensor.new_empty((self.size * tensor.numel(),))
-        _all_gather_tensor(out, tensor.reshape(-1), group=self.group)
+        self._run("all_gather", _all_gather_tensor, out, tensor.reshape(-1), group=self.group)
         return out.view(self.size, *tensor.shape)
 
     def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         op, divide = _reduce_op(reduce_op, self.backend)
         out = tensor.clone()
-        dist.all_reduce(out, op=op, group=self.group)
+        self._run("all_reduce", dist.all_reduce, out, op=op, group=self.group)
         return self._finish_avg(out, divide)
 
     def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -70,7 +131,7 @@ class C10dCommunicator(Communicator):
         if not self._native_reduce_scatter:
             # Older gloo has no reduce_scatter; an all_reduce then a local slice gives the same values.
             reduced = stacked.clone()
-            dist.all_reduce(reduced, op=op, group=self.group)
+            self._run("reduce_scatter", dist.all_reduce, reduced, op=op, group=self.group)
             return self._finish_avg(reduced[self.local_rank].clone(), divide)
         block = stacked.shape[1:]
         out = stacked.new_empty((stacked[0].numel(),))
@@ -79,30 +140,30 @@ class C10dCommunicator(Communicator):
         except RuntimeError as error:
             # The backend refuses before sending anything, on every rank alike, so falling back is safe.
             if "support" not in str(error).lower():
-                raise
+                self._raise_named("reduce_scatter", error)
             self._native_reduce_scatter = False
             return self._reduce_scatter(stacked, reduce_op)
         return self._finish_avg(out.view(block), divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(stacked)
-        dist.all_to_all_single(out, stacked, group=self.group)
+        self._run("all_to_all", dist.all_to_all_single, out, stacked, group=self.group)
         return out
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         out = tensor.clone()
-        dist.broadcast(out, src=self.ranks[src], group=self.group)
+        self._run("broadcast", dist.broadcast, out, src=self.ranks[src], group=self.group)
         return out
 
     def _scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         out = stacked.new_empty(stacked.shape[1:])
         blocks = list(stacked.unbind(0)) if self.local_rank == src else None
-        dist.scatter(out, blocks, src=self.ranks[src], group=self.group)
+        self._run("scatter", dist.scatter, out, blocks, src=self.ranks[src], group=self.group)
         return out
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        self._run("all_gather_object", dist.all_gather_object, gathered, obj, group=self.group)
         return gathered
 
 
@@ -111,13 +172,16 @@ class C10dWorld(World):
 
     backend_name = "c10d"
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         self.size = dist.get_world_size()
         self._communicators: dict[tuple[int, ...], C10dCommunicator] = {}
         self._created: set[tuple[int, ...]] = set()
+        self.timeout_s = _default_group_timeout_s(device_type)
+        """The default group's timeout: new groups get it unless ``create_groups`` is given another."""
 
     @staticmethod
-    def ensure_initialized(device_type: str) -> None:
+    def ensure_initialized(device_type: str, timeout_s: float | None = None) -> None:
+        """Start the default group from torchrun's environment, with ``timeout_s`` if given."""
         if dist.is_initialized():
             return
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -128,7 +192,10 @@ class C10dWorld(World):
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        if timeout_s is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
     def current_rank(self) -> int:
         return dist.get_rank()
@@ -142,15 +209,19 @@ class C10dWorld(World):
     def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         return [ranks for ranks in groups if ranks not in self._created]
 
-    def create_groups(self, groups: list[tuple[int, ...]]) -> None:
+    def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for ranks in groups:
             # Non-members must still join new_group, so track creation apart from membership.
             if ranks in self._created:
                 continue
             self._created.add(ranks)
-            if len(ranks) == self.size and ranks == tuple(range(self.size)):
+            if ranks == tuple(range(self.size)) and timeout_s == self.timeout_s:
                 group = dist.group.WORLD
-            else:
+            elif timeout_s is None:
                 group = dist.new_group(list(ranks))
+            else:
+                # Without a timeout, new_group would wait c10d's 30-minute default, not the user's.
+                group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
             if dist.get_rank() in ranks:
-                self._communicators[ranks] = C10dCommunicator(ranks, group)
+                self._communicators[ranks] = C10dCommunicator(ranks, group, timeout_s=timeout_s)

@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from spmd.tensor.comm.base import Communicator, World, reduce_stack
+from spmd.tensor.comm.base import (
+    CollectiveAbortedError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    Communicator,
+    World,
+    collective_name,
+    reduce_stack,
+)
 
 __all__ = [
     "ThreadedWorld",
@@ -28,14 +36,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 60.0
 T = TypeVar("T")
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective waited longer than the world's timeout for other ranks to join."""
-
-
-class CollectiveAbortedError(RuntimeError):
-    """Another rank failed, so this rank's collective was cancelled instead of waiting forever."""
 
 
 _current = threading.local()
@@ -84,9 +84,13 @@ class ThreadedWorld(World):
                 comm = self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks))
         return comm
 
-    def create_groups(self, groups: list[tuple[int, ...]]) -> None:
+    def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
         for ranks in groups:
-            self.communicator(ranks)
+            if timeout_s is None:
+                self.communicator(ranks)
+            else:
+                with self._lock:
+                    self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks, timeout_s=timeout_s))
 
     @property
     def failure(self) -> tuple[int, BaseException] | None:
@@ -101,9 +105,21 @@ class ThreadedWorld(World):
             for rnd in self._rounds.values():
                 rnd.done.set()
 
-    def exchange(self, ranks: tuple[int, ...], kind: str, value: Any) -> list[Any]:
-        """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's."""
+    def exchange(
+        self,
+        ranks: tuple[int, ...],
+        kind: str,
+        value: Any,
+        *,
+        mesh_dim: str | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's.
+
+        ``mesh_dim`` names the group in errors; ``timeout_s`` overrides the world's timeout.
+        """
         me = self.current_rank()
+        timeout = self.timeout if timeout_s is None else timeout_s
         index = ranks.index(me)
         with self._lock:
             seq = self._next_seq.get((ranks, me), 0)
@@ -115,9 +131,10 @@ class ThreadedWorld(World):
                 if self._failure is not None:
                     rnd.done.set()
             if rnd.kind != kind:
-                error = RuntimeError(
-                    f"collective mismatch on ranks {list(ranks)}: rank {me} called {kind} while another "
-                    f"rank called {rnd.kind} as call #{seq}; every rank must issue the same collectives in order"
+                error = CollectiveMismatchError(
+                    f"collective mismatch: rank {me} called {collective_name(kind, ranks, mesh_dim)} while another rank "
+                    f"called {rnd.kind} as call #{seq}; every rank must issue the same collectives in order "
+                    "(SPMD_DEBUG=check shows what each rank issued and from where)"
                 )
                 self._failure = self._failure or (me, error)
                 for other in self._rounds.values():
@@ -127,16 +144,17 @@ class ThreadedWorld(World):
             rnd.arrived.add(me)
             if len(rnd.arrived) == len(ranks):
                 rnd.done.set()
-        if not rnd.done.wait(self.timeout):
+        if not rnd.done.wait(timeout):
             missing = sorted(set(ranks) - rnd.arrived)
             raise CollectiveTimeoutError(
-                f"rank {me}: {kind} on ranks {list(ranks)} timed out after {self.timeout:g}s waiting "
-                f"for ranks {missing}; check that every rank issues the same collectives"
+                f"rank {me}: {collective_name(kind, ranks, mesh_dim)} timed out after {timeout:g}s waiting for ranks "
+                f"{missing}, which never arrived; check that every rank issues the same collectives "
+                "(SPMD_DEBUG=check compares them)"
             )
         if len(rnd.arrived) < len(ranks):
             failed_rank, cause = self._failure or (-1, RuntimeError("unknown"))
             raise CollectiveAbortedError(
-                f"rank {me}: {kind} on ranks {list(ranks)} cancelled because rank {failed_rank} failed: "
+                f"rank {me}: {collective_name(kind, ranks, mesh_dim)} cancelled because rank {failed_rank} failed: "
                 f"{type(cause).__name__}: {cause}"
             )
         with self._lock:
@@ -149,8 +167,8 @@ class ThreadedWorld(World):
 class ThreadedCommunicator(Communicator):
     """Collectives among threads of one ``ThreadedWorld``; results never alias another rank's data."""
 
-    def __init__(self, world: ThreadedWorld, ranks: tuple[int, ...]) -> None:
-        super().__init__(ranks)
+    def __init__(self, world: ThreadedWorld, ranks: tuple[int, ...], *, timeout_s: float | None = None) -> None:
+        super().__init__(ranks, timeout_s=world.timeout if timeout_s is None else timeout_s)
         self.world = world
 
     @property
@@ -162,7 +180,7 @@ class ThreadedCommunicator(Communicator):
         # collective returns, while a slower one is still reading it.
         if isinstance(value, torch.Tensor):
             value = value.clone()
-        return self.world.exchange(self.ranks, kind, value)
+        return self.world.exchange(self.ranks, kind, value, mesh_dim=self.mesh_dim, timeout_s=self.timeout_s)
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._exchange("all_gather", tensor))

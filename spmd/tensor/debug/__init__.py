@@ -4,8 +4,16 @@
 * ``CommDebugMode`` -- collectives and bytes, total, per op and per module.
 * ``visualize_sharding(dtensor)`` -- which rank holds which block.
 * ``explain(op, *args)`` -- the candidate strategies of one call, with costs.
+* ``SPMD_DEBUG=check`` / ``with check_collectives():`` -- ranks compare each collective before
+  issuing it and all raise ``CollectiveMismatchError`` if they disagree.
 """
 
+from spmd.tensor.debug.check import (
+    CollectiveFingerprint,
+    CollectiveMismatchError,
+    check_collectives,
+    set_check_collectives,
+)
 from spmd.tensor.debug.comm_mode import CommDebugMode
 from spmd.tensor.debug.explain import Explanation, explain
 from spmd.tensor.debug.state import configure_from_environment
@@ -21,6 +29,10 @@ __all__ = [
     "sharding_table",
     "explain",
     "Explanation",
+    "check_collectives",
+    "set_check_collectives",
+    "CollectiveFingerprint",
+    "CollectiveMismatchError",
 ]
 
 configure_from_environment()

@@ -24,10 +24,12 @@ class DebugState:
         self.ranks: frozenset[int] | None = frozenset({0})
         """Ranks whose decisions are logged; None logs every rank."""
         self.comm_modes = 0
+        self.checks = 0
+        """Users of the collective check (see debug/check.py); while > 0, ops name themselves."""
         self.listening = False
 
     def refresh(self) -> None:
-        self.listening = self.verbose or self.comm_modes > 0
+        self.listening = self.verbose or self.comm_modes > 0 or self.checks > 0
 
     def rank_selected(self) -> bool:
         if self.ranks is None:
@@ -83,11 +85,17 @@ def parse_ranks(text: str) -> frozenset[int] | None:
 
 
 def configure_from_environment() -> None:
-    """``SPMD_DEBUG=verbose`` turns verbose logging on; ``SPMD_DEBUG_RANKS`` picks the ranks."""
+    """``SPMD_DEBUG=verbose`` turns verbose logging on, ``SPMD_DEBUG=check`` the collective check
+    (``SPMD_DEBUG=verbose,check`` both); ``SPMD_DEBUG_RANKS`` picks the ranks that log."""
     ranks = os.environ.get("SPMD_DEBUG_RANKS")
     if ranks is not None:
         STATE.ranks = parse_ranks(ranks)
-    if os.environ.get("SPMD_DEBUG", "").strip().lower() == "verbose":
+    modes = {part.strip() for part in os.environ.get("SPMD_DEBUG", "").lower().replace(",", " ").split()}
+    if "verbose" in modes:
         from spmd.tensor.debug.verbose import set_verbose
 
         set_verbose(True, ranks=STATE.ranks)
+    if "check" in modes:
+        from spmd.tensor.debug.check import set_check_collectives
+
+        set_check_collectives(True)
