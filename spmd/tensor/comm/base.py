@@ -143,6 +143,12 @@ class Communicator(ABC):
     def local_rank(self) -> int:
         """Index of the calling rank inside ``ranks``."""
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound this group's collectives by ``timeout_s`` from now on (a later mesh over it asked so)."""
+        self.timeout_s = timeout_s
+        for view in self._views.values():
+            view.timeout_s = timeout_s
+
     def on_mesh_dim(self, name: str) -> Communicator:
         """This communicator labelled as mesh dim ``name`` (same group, same state; cached)."""
         view = self._views.get(name)
@@ -260,8 +266,8 @@ class World(ABC):
     def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
         """Create communicators for ``groups``; every rank calls this with the same list, in order.
 
-        ``timeout_s`` bounds each collective on the new groups (None: the world's own timeout).
-        Groups that already exist keep theirs.
+        ``timeout_s`` bounds each collective on the groups (None: the world's own timeout); a group
+        that already exists is given it too (a group is shared by every mesh over its ranks).
         """
 
     def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -7,13 +7,17 @@ default for new groups, so a stuck or dead rank ends the job within that timeout
 
 A collective that fails in the backend is re-raised as ``CollectiveTimeoutError`` (the group's
 timeout passed) or ``CollectiveAbortedError`` (a peer's connection closed: it died or tore down),
-naming the collective, the mesh dim and the group's ranks. c10d does not tell which rank of the
-group did not arrive; the message says so and lists the group.
+naming the collective, the mesh dim and the group's ranks. c10d itself does not tell which rank did
+not arrive, so on a timeout each rank leaves a note in the job's key-value store (what it was
+waiting in) and reads its peers' notes for up to ``PEER_REPORT_WAIT_S``: a peer with no note is
+named as stuck outside any collective (or dead), a peer with one is shown waiting where it waits.
+This costs nothing until a collective times out.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -53,6 +57,33 @@ _PEER_LOST_WORDS = (
 )
 
 
+PEER_REPORT_WAIT_S = 2.0
+"""After a timeout, how long a rank waits for its peers' notes before raising."""
+
+
+def _peer_report(me: int, peers: list[int], waiting_in: str) -> str:
+    """Leave a note that ``me`` timed out in ``waiting_in``; say what each of ``peers`` noted.
+
+    Uses the default group's store (c10d's private getter); any failure there gives an empty report.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"spmd/timed_out/{me}", waiting_in)
+        keys = {peer: f"spmd/timed_out/{peer}" for peer in peers}
+        deadline = time.monotonic() + PEER_REPORT_WAIT_S
+        while time.monotonic() < deadline and not all(store.check([key]) for key in keys.values()):
+            time.sleep(0.05)
+        lines = []
+        for peer, key in keys.items():
+            if store.check([key]):
+                lines.append(f"rank {peer} is itself waiting in {store.get(key).decode()}")
+            else:
+                lines.append(f"rank {peer} did not arrive and waits in no collective: stuck in its own code, or dead")
+        return "; ".join(lines)
+    except Exception:  # the store may be gone with the rank that hosted it
+        return ""
+
+
 def _default_group_timeout_s(device_type: str) -> float | None:
     """The timeout the default group was created with (the user's ``init_process_group(timeout=)``).
 
@@ -87,6 +118,11 @@ class C10dCommunicator(Communicator):
         except RuntimeError as error:
             self._raise_named(kind, error)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Give the group (and every mesh-dim view of it) a new collective timeout."""
+        self.group.set_timeout(timedelta(seconds=timeout_s))
+        super().set_timeout(timeout_s)
+
     def _raise_named(self, kind: str, error: RuntimeError) -> NoReturn:
         text = str(error)
         lowered = text.lower()
@@ -94,11 +130,11 @@ class C10dCommunicator(Communicator):
         name = self.describe(kind)
         if any(word in lowered for word in _TIMEOUT_WORDS):
             limit = f" after {self.timeout_s:g}s" if self.timeout_s is not None else ""
+            peers = [rank for rank in self.ranks if rank != me]
+            report = _peer_report(me, peers, name) or f"one of ranks {peers} did not arrive"
             raise CollectiveTimeoutError(
-                f"rank {me}: {name} timed out{limit}: a rank of {list(self.ranks)} did not arrive (stuck, "
-                "dead, or issuing a different collective); c10d does not say which, so look for the rank "
-                "whose own error is not a timeout, or run with SPMD_DEBUG=check to compare what every rank "
-                f"issues. Backend error: {text}"
+                f"rank {me}: {name} timed out{limit}: {report}. Every rank must issue the same collectives "
+                f"in the same order (SPMD_DEBUG=check compares them). Backend error: {text}"
             ) from error
         if any(word in lowered for word in _PEER_LOST_WORDS):
             raise CollectiveAbortedError(
@@ -214,6 +250,8 @@ class C10dWorld(World):
         for ranks in groups:
             # Non-members must still join new_group, so track creation apart from membership.
             if ranks in self._created:
+                if timeout_s is not None and ranks in self._communicators:
+                    self._communicators[ranks].set_timeout(timeout_s)
                 continue
             self._created.add(ranks)
             if ranks == tuple(range(self.size)) and timeout_s == self.timeout_s:

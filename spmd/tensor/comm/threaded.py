@@ -86,11 +86,9 @@ class ThreadedWorld(World):
 
     def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
         for ranks in groups:
-            if timeout_s is None:
-                self.communicator(ranks)
-            else:
-                with self._lock:
-                    self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks, timeout_s=timeout_s))
+            comm = self.communicator(ranks)
+            if timeout_s is not None and comm.timeout_s != timeout_s:
+                comm.set_timeout(timeout_s)
 
     @property
     def failure(self) -> tuple[int, BaseException] | None:

@@ -1,0 +1,173 @@
+"""Faults on real gloo process groups: a stuck, raising or killed rank ends the run within the
+timeout with errors that name the collective, the mesh dim and the group; ranks that disagree raise
+on every rank under the collective check.
+
+Each test spawns its processes with ``run_multiprocess`` (a few seconds of start-up each), so the
+cases are grouped into few runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from spmd.tensor.comm import CollectiveMismatchError
+from spmd.tensor.debug import check_collectives
+from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from spmd.testing.multiprocess import RankFailed, run_multiprocess
+
+pytestmark = pytest.mark.multiprocess
+
+MESH_TIMEOUT_S = 5.0
+SLACK_S = 30.0
+"""The issue's bound: every rank ends within the timeout plus this (spawning the processes included)."""
+
+
+def _group_timeout_s(group: Any) -> float:
+    """The timeout gloo was given for ``group`` (c10d keeps it in the backend's options)."""
+    return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
+# ----- what each rank runs -------------------------------------------------------------------------
+def group_timeouts() -> tuple[float, float, float, float]:
+    """Sub-groups inherit the default group's timeout; init_device_mesh(timeout=) overrides it."""
+    inherited = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    before = (_group_timeout_s(inherited.get_group("tp")), inherited.get_communicator("tp").timeout_s or 0.0)
+    # A later mesh over the same groups with its own timeout: the groups are shared, so it applies to both.
+    explicit = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"), timeout=timedelta(seconds=7))
+    after = (_group_timeout_s(explicit.get_group("a")), inherited.get_communicator("tp").timeout_s or 0.0)
+    return (*before, *after)
+
+
+def _train_step(mesh: Any) -> None:
+    """A step's collectives: a sum over tp, then one over dp."""
+    x = DTensor.from_local(torch.ones(4), mesh, [Partial(), Partial()])
+    x.redistribute(mesh, [Partial(), Replicate()]).redistribute(mesh, [Replicate(), Replicate()])
+
+
+def rank_3_stuck_at_step_2() -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), timeout=MESH_TIMEOUT_S)
+    for step in range(4):
+        if step == 2 and dist.get_rank() == 3:
+            time.sleep(120)
+        _train_step(mesh)
+
+
+def rank_1_killed_at_step_2() -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",), timeout=60.0)
+    for step in range(4):
+        if step == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        DTensor.from_local(torch.ones(4), mesh, [Partial()]).full_tensor()
+
+
+def rank_1_raises_at_step_2() -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",), timeout=60.0)
+    for step in range(4):
+        if step == 2 and dist.get_rank() == 1:
+            raise ValueError("rank 1 found a bad batch")
+        DTensor.from_local(torch.ones(4), mesh, [Partial()]).full_tensor()
+
+
+def _mismatch(fn: Any) -> str:
+    """Run ``fn`` under the check; return the CollectiveMismatchError's message, minus its rank prefix."""
+    try:
+        with check_collectives():
+            fn()
+    except CollectiveMismatchError as error:
+        return str(error).split(": ", 1)[1]
+    return "no error"
+
+
+def disagreements() -> dict[str, Any]:
+    """Each disagreement of the issue, on 2 gloo ranks: what it does unchecked, what the check says."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    try:
+        init_device_mesh("cpu", (2,) if rank == 0 else (1, 2))
+        out["mesh shape"] = "no error"
+    except ValueError as error:
+        out["mesh shape"] = str(error)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    op = "sum" if rank == 0 else "max"
+    partial = DTensor.from_local(torch.full((2, 2), float(rank + 1)), mesh, [Partial(op)])
+    out["reduce op unchecked"] = partial.full_tensor()[0, 0].item()
+    out["reduce op"] = _mismatch(partial.full_tensor)
+
+    # Each rank reduce-scatters 16 numbers; only the layout says rows on rank 0, columns on rank 1.
+    summed = DTensor.from_local(torch.arange(16.0).reshape(4, 4), mesh, [Partial()])
+    target = Shard(0) if rank == 0 else Shard(1)
+    out["target unchecked"] = summed.redistribute(mesh, [target]).to_local()
+    out["target"] = _mismatch(lambda: summed.redistribute(mesh, [target]))
+
+    style = ColwiseParallel() if rank == 0 else RowwiseParallel()
+    out["plan"] = _mismatch(lambda: parallelize_module(nn.Linear(8, 8), mesh, style))
+    return out
+
+
+# ----- tests ---------------------------------------------------------------------------------------
+def test_sub_groups_use_the_users_timeout() -> None:
+    results = run_multiprocess(group_timeouts, 2, timeout=45.0)
+    # run_multiprocess gives init_process_group its timeout (45 s); c10d alone would give new groups 30 min
+    assert results == [(45.0, 45.0, 7.0, 7.0)] * 2
+
+
+def test_a_stuck_rank_ends_the_run_within_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_multiprocess(rank_3_stuck_at_step_2, 4, timeout=120.0)
+    elapsed = time.monotonic() - start
+    assert elapsed < MESH_TIMEOUT_S + SLACK_S
+    report = str(info.value)
+    # rank 2 waits for rank 3 over tp; ranks 0 and 1 wait over dp for ranks 2 and 3
+    assert "CollectiveTimeoutError: rank 2: all_reduce on mesh dim 'tp' (ranks [2, 3]) timed out after 5s" in report
+    # the ranks' notes in the store name the one that never arrived, and where the others wait
+    assert "rank 3 did not arrive and waits in no collective: stuck in its own code, or dead" in report
+    assert (
+        "rank 0: all_reduce on mesh dim 'dp' (ranks [0, 2]) timed out after 5s: rank 2 is itself waiting in "
+        "all_reduce on mesh dim 'tp' (ranks [2, 3])"
+    ) in report
+
+
+def test_a_killed_rank_ends_the_run_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_multiprocess(rank_1_killed_at_step_2, 2, timeout=120.0)
+    assert time.monotonic() - start < SLACK_S  # far below the 60 s timeout: the peer's socket closed
+    report = str(info.value)
+    assert "SIGKILL" in report
+    assert "CollectiveAbortedError: rank 0: all_reduce on mesh dim 'tp' (ranks [0, 1]) failed because a peer" in report
+
+
+def test_a_raising_rank_ends_the_run_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 found a bad batch"):
+        run_multiprocess(rank_1_raises_at_step_2, 2, timeout=120.0)
+    assert time.monotonic() - start < SLACK_S
+
+
+def test_disagreeing_ranks_all_raise_under_the_check() -> None:
+    rank_0, rank_1 = run_multiprocess(disagreements, 2, timeout=60.0)
+    for case in ("mesh shape", "reduce op", "target", "plan"):
+        assert rank_0[case] == rank_1[case], f"{case}: both ranks raise the same error"
+    assert "ranks [0]: mesh_shape=(2,)" in rank_0["mesh shape"]
+    assert "ranks [1]: mesh_shape=(1, 2)" in rank_0["mesh shape"]
+    # unchecked, a wrong reduction goes unnoticed: rank 1 asked for max(1, 2) and silently got another value
+    assert rank_1["reduce op unchecked"] != 2.0
+    assert "ranks [0]: all_reduce(sum)" in rank_0["reduce op"]
+    assert "ranks [1]: all_reduce(max)" in rank_0["reduce op"]
+    # unchecked, both ranks get a block of the right size built from the wrong halves
+    assert tuple(rank_0["target unchecked"].shape) == (2, 4) and tuple(rank_1["target unchecked"].shape) == (4, 2)
+    assert "P(sum) -> S(0)" in rank_0["target"] and "P(sum) -> S(1)" in rank_0["target"]
+    assert "scatter(src=0) on mesh dim 'tp' f32[2,4,8]" in rank_0["plan"]
+    assert "scatter(src=0) on mesh dim 'tp' f32[2,8,4]" in rank_0["plan"]
