@@ -2,10 +2,11 @@
 
 Off by default. ``SPMD_DEBUG=check`` turns it on for the whole process; ``with check_collectives():``
 turns it on for the calling rank (every rank must enter it at the same point of its program, as
-with any collective). Each collective is then preceded by one small object exchange over the same
-group, carrying a ``CollectiveFingerprint``: the collective, its mesh dim and ranks, the tensor's
-shape and dtype, the reduce op (or source), the op and redistribute step that issued it, and the
-user's call site. If any rank's fingerprint differs from the others', every rank of the group raises
+with any collective). Each collective is then preceded by one 8-byte all_gather over the same
+group, of a digest of the rank's ``CollectiveFingerprint``: the collective, its mesh dim and ranks,
+the tensor's shape and dtype, the reduce op (or source), the op and redistribute step that issued
+it, and the user's call site. If the digests differ, the ranks exchange the fingerprints
+themselves and every rank of the group raises
 ``CollectiveMismatchError`` naming the ranks that differ and showing both fingerprints, instead of
 exchanging data that would silently mix two different computations (or hang).
 
@@ -17,6 +18,7 @@ released by the group's timeout, as any collective is.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import threading
@@ -67,6 +69,11 @@ class CollectiveFingerprint:
             self.placements,
             self.op,
         )
+
+    def digest(self) -> int:
+        """The compared fields as a signed 64-bit number, equal on every process for equal fields."""
+        raw = hashlib.blake2b(repr(self.compared()).encode(), digest_size=8).digest()
+        return int.from_bytes(raw, "little", signed=True)
 
     def __str__(self) -> str:
         detail = f"({self.detail})" if self.detail else ""
@@ -176,7 +183,11 @@ def _check_before_collective(comm: Communicator, kind: str, tensor: torch.Tensor
     if not _enabled_here():
         return
     mine = fingerprint(comm, kind, tensor, detail)
-    # The backend's own exchange: not recorded, not checked again.
+    # The backend's own collectives (not recorded, not checked again): first an 8-byte digest of the
+    # compared fields, and only when the digests differ the fingerprints themselves, for the message.
+    digests = comm._all_gather(torch.tensor([mine.digest()], dtype=torch.int64))
+    if bool((digests == digests[0]).all()):
+        return
     everyone: list[CollectiveFingerprint] = comm._all_gather_object(mine)
     votes = Counter(fp.compared() for fp in everyone)
     if len(votes) == 1:
