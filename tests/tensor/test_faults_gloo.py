@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -171,3 +173,41 @@ def test_disagreeing_ranks_all_raise_under_the_check() -> None:
     assert "P(sum) -> S(0)" in rank_0["target"] and "P(sum) -> S(1)" in rank_0["target"]
     assert "scatter(src=0) on mesh dim 'tp' f32[2,4,8]" in rank_0["plan"]
     assert "scatter(src=0) on mesh dim 'tp' f32[2,8,4]" in rank_0["plan"]
+
+
+STUCK_UNDER_TORCHRUN = """
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spmd.tensor import DTensor, Partial, Replicate, init_device_mesh
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=5))
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+for step in range(4):
+    if step == 2 and dist.get_rank() == 3:
+        time.sleep(300)
+    x = DTensor.from_local(torch.ones(4), mesh, [Partial(), Partial()])
+    x.redistribute(mesh, [Partial(), Replicate()]).redistribute(mesh, [Replicate(), Replicate()])
+"""
+
+
+@pytest.mark.slow  # about 17 s; test_a_stuck_rank_ends_the_run_within_the_timeout is the fast case
+def test_torchrun_exits_non_zero_within_the_process_group_timeout(tmp_path: Any) -> None:
+    """The issue's run: init_process_group(timeout=5 s), a 2-d mesh, rank 3 asleep at step 2."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_UNDER_TORCHRUN)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
+    start = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert elapsed < MESH_TIMEOUT_S + SLACK_S, f"torchrun ran {elapsed:.0f}s"
+    output = done.stdout + done.stderr
+    # torchrun stops the other ranks when the first fails, so whichever timed out first is reported
+    assert "CollectiveTimeoutError: rank " in output
+    assert "on mesh dim '" in output and "timed out after 5s: rank " in output
