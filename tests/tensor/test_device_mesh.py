@@ -130,3 +130,29 @@ def test_get_group_returns_a_communicator_per_dim(shape: tuple[int, ...]) -> Non
         return [mesh.get_communicator(d).size for d in range(mesh.ndim)]
 
     assert run_threaded(group_sizes, 4)[0] == list(shape)
+
+
+def test_communicators_carry_their_mesh_dim_and_the_meshs_timeout() -> None:
+    def labels() -> tuple[object, ...]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), timeout=12.5)
+        unnamed = init_device_mesh("cpu", (2, 2))  # the same groups: they keep the 12.5 s
+        tp = mesh.get_communicator("tp")
+        return (
+            tp.mesh_dim,
+            tp.describe("all_gather"),
+            mesh["tp"].get_communicator(0) is tp,
+            unnamed.get_communicator(1).describe("all_gather"),
+            mesh.get_communicator("dp").timeout_s,
+        )
+
+    results = run_threaded(labels, 4, timeout=30)
+    assert results[2] == ("tp", "all_gather on mesh dim 'tp' (ranks [2, 3])", True, "all_gather on mesh dim 1 (ranks [2, 3])", 12.5)
+
+
+def test_init_device_mesh_refuses_a_timeout_that_is_not_positive() -> None:
+    def bad_timeout() -> str:
+        with pytest.raises(ValueError, match="timeout must be positive, got 0") as info:
+            init_device_mesh("cpu", (2,), timeout=0)
+        return str(info.value)
+
+    assert run_threaded(bad_timeout, 2) == ["timeout must be positive, got 0; pass seconds or a timedelta"] * 2

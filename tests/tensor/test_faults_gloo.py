@@ -24,7 +24,7 @@ from torch import nn
 from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 from spmd.tensor.comm import CollectiveMismatchError
 from spmd.tensor.debug import check_collectives
-from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from spmd.testing.multiprocess import RankFailed, run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
@@ -80,6 +80,22 @@ def rank_1_raises_at_step_2() -> None:
         DTensor.from_local(torch.ones(4), mesh, [Partial()]).full_tensor()
 
 
+def _norm_then_linear(mesh: Any, *, sequence_parallel: bool) -> nn.Module:
+    """A LayerNorm then a Linear, the norm sequence-parallel or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    plan: dict[str, Any] = {"1": ColwiseParallel()}
+    if sequence_parallel:
+        plan = {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1))}
+    return parallelize_module(model, mesh, plan)
+
+
+def rank_0_alone_sequence_parallel() -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",), timeout=MESH_TIMEOUT_S)
+    model = _norm_then_linear(mesh, sequence_parallel=dist.get_rank() == 0)
+    model(torch.randn(2, 4, 8)).sum().backward()
+
+
 def _mismatch(fn: Any) -> str:
     """Run ``fn`` under the check; return the CollectiveMismatchError's message, minus its rank prefix."""
     try:
@@ -114,6 +130,7 @@ def disagreements() -> dict[str, Any]:
 
     style = ColwiseParallel() if rank == 0 else RowwiseParallel()
     out["plan"] = _mismatch(lambda: parallelize_module(nn.Linear(8, 8), mesh, style))
+    out["sequence parallel"] = _mismatch(lambda: _norm_then_linear(mesh, sequence_parallel=rank == 0))
     return out
 
 
@@ -134,7 +151,10 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout() -> None:
     # rank 2 waits for rank 3 over tp; ranks 0 and 1 wait over dp for ranks 2 and 3
     assert "CollectiveTimeoutError: rank 2: all_reduce on mesh dim 'tp' (ranks [2, 3]) timed out after 5s" in report
     # the ranks' notes in the store name the one that never arrived, and where the others wait
-    assert "rank 3 did not arrive and waits in no collective: stuck in its own code, or dead" in report
+    assert (
+        "rank 3 did not arrive and waits in no collective of the mesh: stuck in its own code (or a c10d call of its own), or dead"
+        in report
+    )
     assert (
         "rank 0: all_reduce on mesh dim 'dp' (ranks [0, 2]) timed out after 5s: rank 2 is itself waiting in "
         "all_reduce on mesh dim 'tp' (ranks [2, 3])"
@@ -160,7 +180,7 @@ def test_a_raising_rank_ends_the_run_at_once() -> None:
 
 def test_disagreeing_ranks_all_raise_under_the_check() -> None:
     rank_0, rank_1 = run_multiprocess(disagreements, 2, timeout=60.0)
-    for case in ("mesh shape", "reduce op", "target", "plan"):
+    for case in ("mesh shape", "reduce op", "target", "plan", "sequence parallel"):
         assert rank_0[case] == rank_1[case], f"{case}: both ranks raise the same error"
     assert "ranks [0]: mesh_shape=(2,)" in rank_0["mesh shape"]
     assert "ranks [1]: mesh_shape=(1, 2)" in rank_0["mesh shape"]
@@ -173,6 +193,19 @@ def test_disagreeing_ranks_all_raise_under_the_check() -> None:
     assert "P(sum) -> S(0)" in rank_0["target"] and "P(sum) -> S(1)" in rank_0["target"]
     assert "scatter(src=0) on mesh dim 'tp' f32[2,4,8]" in rank_0["plan"]
     assert "scatter(src=0) on mesh dim 'tp' f32[2,8,4]" in rank_0["plan"]
+    # rank 0 replicates the norm's weight first; rank 1 has no norm to place and scatters the Linear's
+    assert "ranks [0]: broadcast(src=0) on mesh dim 'tp' f32[8]" in rank_0["sequence parallel"]
+    assert "ranks [1]: scatter(src=0) on mesh dim 'tp' f32[2,4,8]" in rank_0["sequence parallel"]
+
+
+def test_disagreeing_sequence_parallelism_is_released_by_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_multiprocess(rank_0_alone_sequence_parallel, 2, timeout=120.0)
+    assert time.monotonic() - start < MESH_TIMEOUT_S + SLACK_S
+    assert "CollectiveTimeoutError: rank 1: scatter on mesh dim 'tp' (ranks [0, 1]) timed out after 5s" in str(
+        info.value
+    )
 
 
 STUCK_UNDER_TORCHRUN = """

@@ -78,7 +78,10 @@ def _peer_report(me: int, peers: list[int], waiting_in: str) -> str:
             if store.check([key]):
                 lines.append(f"rank {peer} is itself waiting in {store.get(key).decode()}")
             else:
-                lines.append(f"rank {peer} did not arrive and waits in no collective: stuck in its own code, or dead")
+                lines.append(
+                    f"rank {peer} did not arrive and waits in no collective of the mesh: stuck in its own code "
+                    "(or a c10d call of its own), or dead"
+                )
         return "; ".join(lines)
     except Exception:  # the store may be gone with the rank that hosted it
         return ""
