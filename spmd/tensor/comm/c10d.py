@@ -141,8 +141,8 @@ class C10dCommunicator(Communicator):
             ) from error
         if any(word in lowered for word in _PEER_LOST_WORDS):
             raise CollectiveAbortedError(
-                f"rank {me}: {name} failed because a peer of {list(self.ranks)} went away (its process "
-                f"died or raised); see that rank's own error. Backend error: {text}"
+                f"rank {me}: {name} failed because one of its peers {[r for r in self.ranks if r != me]} went "
+                f"away (its process died or raised); see that rank's own error. Backend error: {text}"
             ) from error
         raise error
 
