@@ -86,7 +86,7 @@ def test_init_device_mesh_timeout_bounds_the_meshs_collectives() -> None:
         return time.monotonic() - start
 
     waited, _ = run_threaded(missing_rank, 2, timeout=30)
-    assert 0.3 <= waited < 2.0  # the mesh's 0.3 s, not the world's 30 s
+    assert 0.3 <= waited < 10.0  # the mesh's 0.3 s, not the world's 30 s
 
 
 def test_ranks_passing_different_mesh_shapes_all_raise_at_once() -> None:
@@ -98,7 +98,7 @@ def test_ranks_passing_different_mesh_shapes_all_raise_at_once() -> None:
 
     start = time.monotonic()
     messages = run_threaded(build_mesh, 4, timeout=30)
-    assert time.monotonic() - start < 1.0, "the ranks compare their arguments; no timeout is involved"
+    assert time.monotonic() - start < 5.0, "the ranks compare their arguments; the 30 s timeout is not involved"
     assert messages == [messages[0]] * 4
     assert "ranks [0, 2, 3]: mesh_shape=(2, 2), mesh_dim_names=('dp', 'tp')" in messages[0]
     assert "ranks [1]: mesh_shape=(4, 1), mesh_dim_names=('dp', 'tp')" in messages[0]
