@@ -20,11 +20,11 @@ from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR
 from spmd.tensor.debug.state import STATE, op_scope
 from spmd.tensor.debug.verbose import log_decision, log_line
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op
+from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op, log_decomposition
 from spmd.tensor.ops.registry import REGISTRY, OpCall
 from spmd.tensor.placement import Replicate, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
-from spmd.tensor.redistribute import redistribute_local
+from spmd.tensor.redistribute import moves_data, redistribute_local
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication"]
@@ -113,6 +113,10 @@ class Dispatcher:
                 self._cache[key] = decision
         else:
             self.hits += 1
+        if decision.decomposition is not None:  # the op runs as other DTensor ops (each dispatched here)
+            if STATE.verbose:
+                log_decomposition(op, [leaves[i]._spec for i in positions], decision, hit)
+            return decision.decomposition(op, args, kwargs)
 
         local_leaves = list(leaves)
         for i in positions:
@@ -236,10 +240,18 @@ class Dispatcher:
         self, op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
     ) -> Decision:
         """The propagator's decision for one call, with the moves and output specs filled in."""
-        decision = self.propagator.decide(self._make_call(op, leaves, shape, kwarg_names, positions))
+        call = self._make_call(op, leaves, shape, kwarg_names, positions)
+        decomposed = self.propagator.decompose(call)
+        if decomposed is not None:
+            return decomposed
+        decision = self.propagator.decide(call)
         input_specs: list[DTensorSpec] = [leaves[i]._spec for i in positions]
         mesh = input_specs[0].mesh
-        moves = tuple(n for n, s in enumerate(input_specs) if decision.input_placements[n] != s.placements)
+        # A placement that changes only on one-rank mesh dims is a relabel: the shard is used as it
+        # is (not copied), so a view of it still aliases the input.
+        moves = tuple(
+            n for n, s in enumerate(input_specs) if moves_data(s.placements, decision.input_placements[n], mesh.shape)
+        )
         returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
         return dataclasses.replace(
             decision,
@@ -263,7 +275,9 @@ class Dispatcher:
                 why,
             )
         return Decision(
-            moves=tuple(n for n, i in enumerate(positions) if leaves[i]._spec.placements != replicate),
+            moves=tuple(
+                n for n, i in enumerate(positions) if moves_data(leaves[i]._spec.placements, replicate, mesh.shape)
+            ),
             input_placements=(replicate,) * len(positions),
             output_placements=(),
             output_metas=(),

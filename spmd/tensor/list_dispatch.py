@@ -17,19 +17,19 @@ import torch
 
 from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
 from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import log_decision
+from spmd.tensor.debug.verbose import log_decision, log_line
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.foreach import ListRule
-from spmd.tensor.ops.registry import REGISTRY
+from spmd.tensor.ops.registry import REGISTRY, OpCall
 from spmd.tensor.placement import Placement, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, is_inplace
-from spmd.tensor.redistribute import redistribute_local
+from spmd.tensor.redistribute import moves_data, redistribute_local
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 if TYPE_CHECKING:
     from spmd.tensor.dispatch import Dispatcher
 
-__all__ = ["LIST_OP", "is_list_op", "dispatch_list"]
+__all__ = ["LIST_OP", "is_list_op", "dispatch_list", "log_decomposition"]
 
 LIST_OP = "list-op"
 """Marks list ops in the dispatcher's per-op table (they take the list path)."""
@@ -47,6 +47,14 @@ class _Leaf:
     """Stands for tensor leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
 
     index: int
+
+
+def log_decomposition(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:
+    """The verbose line of a call that runs as other ops (their own lines follow it)."""
+    inputs = ", ".join(format_placements(s.placements) for s in specs)
+    expansion = decision.decomposition
+    name = getattr(getattr(expansion, "func", expansion), "__name__", repr(expansion))
+    log_line("%-30s %s  ->  runs as other ops (%s)   [%s]", op, inputs, name, "HIT" if hit else "MISS")
 
 
 def _list_entries(shape: tuple[Any, ...], count: int) -> list[bool]:
@@ -126,10 +134,6 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
             f"{op} has no list rule; run the optimizer or clip_grad_norm_ with foreach=False, or "
             "register a ListRule in spmd/tensor/ops/foreach.py"
         )
-    if rule.decompose is not None:
-        result = rule.decompose(op, args, kwargs)
-        if result is not NotImplemented:
-            return result
     leaves, shape = flatten_call(args, kwargs)
     key_parts: list[Any] = [LIST_OP, op, shape]
     positions: list[int] = []
@@ -169,6 +173,10 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
     else:
         dispatcher.hits += 1
     decision, write_back = entry
+    if decision.decomposition is not None:  # the list op runs as other list ops (each dispatched here)
+        if STATE.verbose:
+            log_decomposition(op, [leaves[i]._spec for i in positions], decision, hit)
+        return decision.decomposition(op, args, kwargs)
 
     local_leaves = list(leaves)
     for i in positions:
@@ -205,6 +213,13 @@ dispatcher: Dispatcher,
     """Decide every list position like its element op; returns the decision and the written-back inputs."""
     names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
     _check_lists(op, leaves, names, shape)
+    if dispatcher.propagator.registry.decomposition_for(op) is not None:
+        spec_leaves = [a._spec if isinstance(a, DTensor) else a for a in leaves]
+        spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
+        specs = tuple(leaves[i]._spec for i in positions)
+        decomposed = dispatcher.propagator.decompose(OpCall(op, tuple(spec_args), spec_kwargs, specs, ()))
+        if decomposed is not None:
+            return decomposed, ()
     # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
     marks = [_Leaf(i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(leaves)]
     marked_args, marked_kwargs = unflatten_call(marks, shape, kwarg_names)
@@ -241,6 +256,11 @@ dispatcher: Dispatcher,
             except ShardingError as error:
                 raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
             dispatcher._cache[element_key] = decision
+        if decision.decomposition is not None:
+            raise ShardingError(
+                f"{op} at list position {index} is decided like {element_op}, which runs as other ops on "
+                f"these inputs; register a decomposition for {op} too (see spmd/tensor/ops/foreach.py)"
+            )
         for n, k in enumerate(element_positions):
             leaf = marked[k].index
             want = decision.input_placements[n]
@@ -257,7 +277,9 @@ dispatcher: Dispatcher,
         cost += decision.cost
     mesh = leaves[positions[0]]._spec.mesh
     input_placements = tuple(wanted[i] for i in positions)
-    moves = tuple(n for n, i in enumerate(positions) if input_placements[n] != leaves[i]._spec.placements)
+    moves = tuple(
+        n for n, i in enumerate(positions) if moves_data(leaves[i]._spec.placements, input_placements[n], mesh.shape)
+    )
     written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     written -= set(rule.scratch)
     write_back = tuple(n for n in moves if names[positions[n]] in written)

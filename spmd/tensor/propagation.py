@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.ops.registry import REGISTRY, OpCall, OpRegistry, OpStrategy
+from spmd.tensor.ops.registry import REGISTRY, Expansion, OpCall, OpRegistry, OpStrategy
 from spmd.tensor.placement import Placement, Shard, format_placements
 from spmd.tensor.redistribute import redistribute_cost
 from spmd.tensor.spec import DTensorSpec, TensorMeta
@@ -48,6 +48,9 @@ class Decision:
     """Ready-made output specs (filled in by the dispatcher; the mesh compares by value)."""
     view_of_copy: bool = False
     """A view op whose input is redistributed first: its output aliases a copy, not the input."""
+    decomposition: Expansion | None = None
+    """The ``Expansion`` that runs the call as other DTensor ops (the op's decomposition applies);
+    then nothing else here is used."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -125,6 +128,18 @@ class ShardingPropagator:
             )
             scored.append((candidate, cost))
         return scored
+
+    def decompose(self, call: OpCall) -> Decision | None:
+        """The decision to run ``call`` as other DTensor ops, when the op's decomposition applies to it.
+
+        Asked before ``decide``: nothing moves, and the other ops are decided when they run.
+        """
+        decomposition = self.registry.decomposition_for(call.op)
+        expansion = None if decomposition is None else decomposition(call)
+        if expansion is None:
+            return None
+        placements = tuple(s.placements for s in call.input_specs)
+        return Decision(placements, (), (), (), 0.0, is_inplace(call.op), decomposition=expansion)
 
     def decide(self, call: OpCall) -> Decision:
         candidates = self.candidates(call)

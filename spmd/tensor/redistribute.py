@@ -12,6 +12,9 @@ The plan keeps that true in three passes:
    finishing any reduction left.
 
 Every collective is issued here, through the mesh's communicators.
+
+A mesh dim of one rank moves no data: that rank holds the whole dim whatever the placement (S(d),
+R and P are the same local tensor), so a change there is a relabel, never a step of a plan.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "redistribute_local",
     "redistribute_traced",
     "redistribute_cost",
+    "moves_data",
     "Redistribute",
 ]
 REPLICATE = Replicate()
@@ -156,13 +160,20 @@ def plan_redistribute(
     return tuple(steps)
 
 
+RELABEL_COST = 1e-9
+"""The cost of changing the placement of a mesh dim of one rank: no data moves, but keeping the
+placement still wins a tie, so layouts stay put (a parameter's, and its gradient's after it)."""
+
+
 def redistribute_cost(src: Placement, dst: Placement, local_bytes: int, group_size: int) -> float:
     """Bytes a rank receives to move a tensor of ``local_bytes`` from ``src`` to ``dst`` on one mesh dim.
 
     Local steps cost a token amount (a copy) so that "do nothing" always wins a tie.
     """
-    if src == dst or group_size == 1:
+    if src == dst:
         return 0.0
+    if group_size == 1:
+        return RELABEL_COST
     n = group_size
     if isinstance(src, Shard):
         if isinstance(dst, Shard):
@@ -173,6 +184,14 @@ def redistribute_cost(src: Placement, dst: Placement, local_bytes: int, group_si
             return (n - 1) / n * local_bytes
         return 2 * (n - 1) / n * local_bytes + (1e-3 * local_bytes if isinstance(dst, Partial) else 0.0)
     return 1e-3 * local_bytes
+
+
+def moves_data(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """True when going from ``src`` to ``dst`` changes some rank's local tensor.
+
+    Only a placement change on a mesh dim of more than one rank does; on one rank it is a relabel.
+    """
+    return any(s != d and size > 1 for s, d, size in zip(src, dst, mesh_shape))
 
 
 # ----- executor ------------------------------------------------------------------------------------
@@ -261,13 +280,19 @@ def _partition(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
 
 def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]) -> torch.Tensor:
     """The caller's shard of ``spec``'s tensor laid out as ``dst`` instead (collective on all ranks)."""
-    if spec.placements == dst:
+    src = spec.placements
+    if src == dst:
         return local
+    mesh_shape = spec.mesh.shape
+    if 1 in mesh_shape:  # a one-rank mesh dim already holds its target placement (see the module docstring)
+        src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
+        if src == dst:
+            return local
     coord = spec.mesh._require_coordinate()
-    cur = list(spec.placements)
+    cur = list(src)
     # Scattering before several reductions pays off in bytes, not in latency: small tensors skip it.
     ndim = spec.ndim if spec.tensor_meta.nbytes >= SCATTERED_REDUCTION_MIN_BYTES else None
-    for step in plan_redistribute(spec.placements, dst, ndim):
+    for step in plan_redistribute(src, dst, ndim):
         if STATE.verbose:
             with capture_collectives() as records:
                 local = _run_step(local, step, spec, cur, coord)

@@ -203,6 +203,26 @@ def test_rules_can_be_swapped_in_a_block() -> None:
     assert run_threaded(exp_placements, 4) == [(Shard(0),)] * 4
 
 
+def test_a_swapped_rule_also_replaces_the_ops_decomposition() -> None:
+    """A 2-norm of a sharded dim runs as power sums; inside an override the block's rule decides it."""
+
+    def norm_of_row_shards() -> tuple:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(8, 4), mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            norm = torch.linalg.vector_norm(x)
+        torch.testing.assert_close(norm.full_tensor(), torch.linalg.vector_norm(randn(8, 4)))
+        return {str(k): n for k, n in comm.get_comm_counts().items()}
+
+    def replicate_only(call):
+        return [OpStrategy((Replicate(),), (Replicate(),))]
+
+    assert run_threaded(norm_of_row_shards, 4)[0] == {"all_reduce": 1}
+    with REGISTRY.override(aten.linalg_vector_norm.default, replicate_only):
+        assert run_threaded(norm_of_row_shards, 4)[0] == {"all_gather": 1}
+    assert run_threaded(norm_of_row_shards, 4)[0] == {"all_reduce": 1}
+
+
 def test_ops_without_rules_fall_back_to_replicated_inputs() -> None:
     def cummax_of_shards() -> tuple:
         mesh = init_device_mesh("cpu", (4,))
@@ -322,6 +342,23 @@ def test_writing_through_a_view_of_a_redistributed_copy_raises() -> None:
 
     with pytest.raises(RuntimeError, match="writes into a view of a DTensor that had to be redistributed"):
         run_threaded(fill_diagonal_of_row_shards, 4)
+
+
+def test_a_view_that_relabels_a_one_rank_mesh_dim_aliases_its_input() -> None:
+    """Shard over one rank holds the whole dim, so a view that asks for Replicate there moves nothing."""
+
+    def fill_diagonal(mesh_shape: tuple[int, int], placements: list) -> tuple:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        x = distribute_tensor(torch.zeros(8, 8), mesh, placements)
+        with CommDebugMode() as comm:
+            diagonal = x.diagonal()  # both diagonal dims must be whole
+            diagonal.fill_(1.0)
+        return x.full_tensor(), x.placements, comm.get_total_counts()
+
+    for mesh_shape, placements in [((4, 1), [Replicate(), Shard(0)]), ((1, 4), [Shard(1), Replicate()])]:
+        for full, kept, count in run_threaded(fill_diagonal, 4, mesh_shape, placements):
+            torch.testing.assert_close(full, torch.eye(8))
+            assert kept == tuple(placements) and count == 0
 
 
 def test_casts_with_a_device_argument() -> None:

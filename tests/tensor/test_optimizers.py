@@ -8,6 +8,7 @@ moves no data.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -169,6 +170,36 @@ class OptimizerTest(DTensorTestBase):
                     opt.step()
             assert_same_state(model, optimizer, ref, ref_opt)
 
+    @with_comms
+    def test_params_sharded_over_a_one_rank_mesh_dim_train_like_one_device(self) -> None:
+        """Shard over a mesh dim of one rank is the whole tensor: nn.Parameter and AdamW keep it as it is."""
+        x = seeded_randn(4, 8, seed=7)
+        one_rank_layouts = {
+            (4, 1): {"w_in": [S0, S1], "w_out": [R, S0], "bias": [R, S0], "uneven": [S1, S0], "scale": [R, R]},
+            (1, 4): {"w_in": [S1, S0], "w_out": [S0, R], "bias": [S0, R], "uneven": [S0, S0], "scale": [R, R]},
+        }
+        for mesh_shape, layouts in one_rank_layouts.items():
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for implementation in ("for-loop", "foreach"):
+                model = distribute_params(Params(), mesh, layouts)
+                for name, param in model.named_parameters():
+                    self.assertEqual(param.placements, tuple(layouts[name]), f"{mesh_shape} {name}")
+                ref = Params()
+                options = {"lr": 0.05, "weight_decay": 0.1, **IMPLEMENTATIONS[implementation]}
+                optimizer = torch.optim.AdamW(model.parameters(), **options)
+                ref_opt = torch.optim.AdamW(ref.parameters(), **options)
+                inputs = distribute_tensor(x, mesh, [R, R])
+                for _ in range(3):
+                    for m, opt, inp in ((model, optimizer, inputs), (ref, ref_opt, x)):
+                        opt.zero_grad()
+                        hidden = torch.tanh(inp @ m.w_in) @ m.w_out + m.bias
+                        loss = hidden.pow(2).sum() * m.scale + m.uneven.pow(2).sum()
+                        loss.backward()
+                        opt.step()
+                assert_same_state(model, optimizer, ref, ref_opt)
+                for name, param in model.named_parameters():
+                    self.assertEqual(param.placements, tuple(layouts[name]), f"{mesh_shape} {implementation} {name}")
+
 
 class ClipGradNormTest(DTensorTestBase):
     def check_clip(self, mesh: Any, layouts: dict[str, Sequence[Any]], norm_type: float, foreach: bool) -> None:
@@ -197,18 +228,22 @@ class ClipGradNormTest(DTensorTestBase):
             )
 
     @with_comms
-    def test_foreach_clip_grad_norm_only_reduces_scalars(self) -> None:
-        """The foreach 2-norm sums squares shard by shard: all_reduces of scalars, no gathered grads."""
+    def test_clip_grad_norm_only_reduces_scalars(self) -> None:
+        """The 2- and 3-norms sum powers shard by shard (list op or one norm per grad): all_reduces of
+        scalars, no gathered grads."""
         mesh = init_device_mesh("cpu", (4,))
-        model = distribute_params(Params(), mesh, LAYOUTS_1D)
         grads = grads_for_step(0)
-        for name, param in model.named_parameters():
-            param.grad = distribute_tensor(grads[name], mesh, param.placements)
-        with CommDebugMode() as comm:
-            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
-        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
         sharded = sum(1 for p in LAYOUTS_1D.values() if p != [R])  # w_in, w_out, uneven
-        self.assertEqual(counts, {"all_reduce": sharded}, counts)
+        for foreach, norm_type in itertools.product((True, False), (2.0, 3.0)):
+            model = distribute_params(Params(), mesh, LAYOUTS_1D)
+            for name, param in model.named_parameters():
+                param.grad = distribute_tensor(grads[name], mesh, param.placements)
+            with CommDebugMode() as comm:
+                total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, norm_type=norm_type, foreach=foreach)
+            counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+            self.assertEqual(counts, {"all_reduce": sharded}, f"foreach={foreach} norm_type={norm_type}")
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads.values()])
+            torch.testing.assert_close(total.full_tensor(), torch.linalg.vector_norm(norms, norm_type))
 
 
 class OptimizerDispatchTest(DTensorTestBase):

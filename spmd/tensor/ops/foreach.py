@@ -5,9 +5,10 @@
   _foreach_maximum/minimum     like clamp_min/clamp_max (the same pointwise algebra)
   _foreach_zero_               like x.mul_(0): every placement survives, sum/avg partials too
   _foreach_norm(xs, p)[i]      like linalg_vector_norm(xs[i], p): p 0, 1 -> P(sum); inf -> P(max);
-                               -inf -> P(min); other p on a sharded tensor runs as
-                               _foreach_powsum (P(sum), no movement) then pow(1/p) (one scalar
-                               all_reduce per sharded tensor instead of gathering it)
+                               -inf -> P(min); other finite p, a tensor sharded: the whole list runs
+                               as _foreach_powsum (P(sum), no movement) then _foreach_pow(1/p) (one
+                               scalar all_reduce per sharded tensor), the algebra of the element op's
+                               decomposition (reductions.power_sum_order)
   _foreach_powsum(xs, p)[i]    like linalg_vector_norm(xs[i], 1): sum |x|^p over shards -> P(sum)
 
 The dispatcher decides every position (each element decision is cached like any op's), moves the
@@ -17,15 +18,15 @@ position i's placement. In-place list ops keep each self's placement, as the ele
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spmd.tensor.ops.registry import REGISTRY, OpCall, OpStrategy, Rule, register_rule
-from spmd.tensor.placement import Shard
+from spmd.tensor.ops.reductions import power_sum_order, sharded_on
+from spmd.tensor.ops.registry import REGISTRY, Decomposition, Expansion, OpCall, OpStrategy, Rule, register_rule
 from spmd.tensor.spec import DTensorSpec
 
 __all__ = ["ListRule", "ElementCall"]
@@ -36,8 +37,6 @@ _SCALAR_TYPES = (bool, int, float, complex)
 
 ElementCall = tuple[Any, list[Any], dict[str, Any]]
 """(element op, positional args, keyword args) of one list position."""
-Decompose = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-"""Runs a list op as other DTensor ops, or returns NotImplemented to run it directly."""
 
 
 def _canonical_scalar(value: Any) -> Any:
@@ -59,7 +58,6 @@ class ListRule:
     fixed: tuple[tuple[str, Any], ...] = ()
     """Element arguments set to a value regardless of the call (``zero_`` is ``mul_(0)``)."""
     position_rule: Rule | None = None
-    decompose: Decompose | None = None
     scratch: tuple[str, ...] = ()
     """Arguments the op writes whose writes may be dropped where an entry had to be moved (fused
     optimizers unscale grads in place). Other written arguments that moved are written back."""
@@ -150,8 +148,8 @@ def _overload(name: str) -> Any:
     return getattr(getattr(aten, packet), overload or "default")
 
 
-def _register(list_op: str, element: str, **options: Any) -> None:
-    register_rule(_overload(list_op))(ListRule(_overload(element), **options))
+def _register(list_op: str, element: str, *, decompose: Decomposition | None = None, **options: Any) -> None:
+    register_rule(_overload(list_op), decompose=decompose)(ListRule(_overload(element), **options))
 
 
 UNARY_OPS = [
@@ -215,27 +213,27 @@ _register("_foreach_max", "max")
 _register("_foreach_powsum.Scalar", "linalg_vector_norm", renames=(("dtype", "dtype"),), fixed=(("ord", 1),))
 
 
-def _norm_from_power_sums(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A finite p-norm (p not 0 or 1) of a sharded tensor: local sums of |x|^p add up across shards."""
-    from spmd.tensor.dtensor import DTensor
+def foreach_norm_decomposition(call: OpCall) -> Expansion | None:
+    """Finite p-norms (p not 0 or 1) of a list holding a sharded tensor run as power sums, then pow(1/p)."""
+    p = power_sum_order(call.arg(1, "ord", 2))
+    if p is None or not any(sharded_on(spec, range(spec.ndim)) for spec in call.input_specs):
+        return None
+    return functools.partial(_norms_from_power_sums, p=p, dtype=call.arg(2, "dtype"))
 
-    tensors = args[0]
-    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    p = float(order)
-    if p in (0.0, 1.0) or math.isinf(p) or math.isnan(p):
-        return NotImplemented
-    if not any(isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements) for t in tensors):
-        return NotImplemented
-    sums = aten._foreach_powsum.Scalar(tensors, order, dtype)
-    return aten._foreach_pow.Scalar(sums, 1.0 / p)
+
+def _norms_from_power_sums(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, p: float, dtype: torch.dtype | None
+) -> Any:
+    """Each tensor's sum of |x|^p, P(sum) where it is sharded (no data moves), then pow(1/p) reduces it."""
+    power_sums = aten._foreach_powsum.Scalar(args[0], p, dtype)
+    return aten._foreach_pow.Scalar(power_sums, 1.0 / p)
 
 
 _register(
     "_foreach_norm.Scalar",
     "linalg_vector_norm",
     renames=(("dtype", "dtype"),),
-    decompose=_norm_from_power_sums,
+    decompose=foreach_norm_decomposition,
     values_decide=True,  # the order picks the partial: P(sum) for 1, P(max) for inf
 )
 

@@ -7,7 +7,9 @@ the global one; where they do not, the dim is replicated first. Kept dims keep t
   amax, max():         S(d), d reduced -> P(max) (no shard empty);  amin, min() -> P(min)
   aminmax:             S(d), d reduced -> P(min), P(max)
   all, any:            S(d), d reduced -> P(min), P(max) (and / or on bools; an empty shard is neutral)
-  vector norm:         ord 1 and 0 -> P(sum); inf -> P(max); -inf -> P(min); other ords replicate d
+  vector norm:         ord 1 and 0 -> P(sum); inf -> P(max); -inf -> P(min); any other finite ord p
+                       runs as other ops: sum(|x|^p) -> P(sum) -> reduced -> pow(1/p) (the local power
+                       sums add up; only the small result is all-reduced, as _foreach_norm does)
   prod, var, std, logsumexp, max.dim, min.dim, argmax, argmin: a reduced dim is replicated first
   partial inputs:      sum and mean are linear: P(sum|avg) -> same P; the others reduce a partial first
   expand (the backward of every reduction): S(d) -> S(d + new leading dims) unless d is broadcast; P -> P
@@ -15,6 +17,7 @@ the global one; where they do not, the dim is replicated first. Kept dims keep t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, pointwise_candidates
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size
 from spmd.tensor.placement import Partial, Shard, shard_sizes
 from spmd.tensor.spec import DTensorSpec
@@ -201,18 +204,80 @@ def _norm_partial(ord_value: Any) -> Partial | None:
     return None  # (sum |x|^p)^(1/p) is no reduction of the local norms
 
 
+def power_sum_order(ord_value: Any) -> float | None:
+    """p, when a p-norm of sharded data is ``(sum of |x|^p) ** (1/p)`` with the sums taken shard by shard.
+
+    That holds for every finite p; None for the orders whose local norms combine as a plain partial
+    (0, 1: P(sum); +-inf: P(max), P(min)) and for NaN.
+    """
+    order = 2.0 if ord_value is None else float(ord_value)
+    if _norm_partial(order) is not None or math.isnan(order):
+        return None
+    return order
+
+
+def sharded_on(spec: DTensorSpec, dims: Collection[int]) -> bool:
+    """True when a mesh dim of more than one rank shards one of tensor ``dims``."""
+    return any(
+        isinstance(p, Shard) and p.dim in dims and size > 1 for p, size in zip(spec.placements, spec.mesh.shape)
+    )
+
+
+def _norm_order(call: OpCall) -> Any:
+    return schema_arg(call, "ord", 2) if "linalg" in call.op._schema.name else schema_arg(call, "p", 2)
+
+
+def vector_norm_decomposition(call: OpCall) -> Expansion | None:
+    """A finite p-norm (p not 0 or 1) over a sharded dim runs as power sums (see ``power_sum_order``)."""
+    p = power_sum_order(_norm_order(call))
+    _, dims, keepdim = reduction_args(call)
+    if p is None or not sharded_on(call.input_specs[0], dims):
+        return None
+    out = call.output_metas[0]
+    dtype = schema_arg(call, "dtype")
+    out_dtype = dtype if out is None else out.dtype
+    return functools.partial(_norm_from_power_sums, p=p, dims=dims, keepdim=keepdim, dtype=dtype, out_dtype=out_dtype)
+
+
+def _norm_from_power_sums(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    p: float,
+    dims: list[int],
+    keepdim: bool,
+    dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None,
+) -> Any:
+    """sum(|x|^p) over ``dims`` (S(d) -> P(sum), no data moves), all-reduced (the small result), pow(1/p)."""
+    x = args[0]
+    if dtype is None and x.dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32  # |x|^p of a half would overflow where the norm does not; torch's kernel widens too
+    if dtype is not None and x.dtype != dtype:
+        x = aten._to_copy.default(x, dtype=dtype)
+    power_sums = aten.sum.dim_IntList(aten.pow.Tensor_Scalar(aten.abs.default(x), p), dims, keepdim)
+    # Reduced to Replicate, as a norm is: a kept dim of size 1 would otherwise be reduce-scattered.
+    whole = [R if isinstance(placement, Partial) else placement for placement in power_sums.placements]
+    norm = aten.pow.Tensor_Scalar(power_sums.redistribute(power_sums.device_mesh, whole), 1.0 / p)
+    return norm if out_dtype is None or norm.dtype == out_dtype else aten._to_copy.default(norm, dtype=out_dtype)
+
+
 @register_rule(
     aten.linalg_vector_norm.default,
     aten.norm.Scalar,
     aten.norm.ScalarOpt_dim,
     aten.norm.ScalarOpt_dtype,
     aten.norm.ScalarOpt_dim_dtype,
+    decompose=vector_norm_decomposition,
 )
 def vector_norm_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """norm: S(d) reduced -> P(sum) for ord 0, 1; P(max) for inf; P(min) for -inf; else replicate d."""
+    """norm: S(d) reduced -> P(sum) for ord 0, 1; P(max) for inf; P(min) for -inf; else replicate d.
+
+    Other finite ords on a sharded dim do not get here: ``vector_norm_decomposition`` runs them.
+    """
     ndim, dims, keepdim = reduction_args(call)
-    ord_value = schema_arg(call, "ord", 2) if "linalg" in call.op._schema.name else schema_arg(call, "p", 2)
-    partial = _norm_partial(ord_value)
+    partial = _norm_partial(_norm_order(call))
     spec = call.input_specs[0]
     allowed = dims if partial is None or partial.is_linear else [d for d in dims if shards_never_empty(spec, d)]
     return reduction_candidates(ndim, dims, keepdim, partial, partial_dims=allowed)

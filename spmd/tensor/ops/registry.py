@@ -18,7 +18,18 @@ import torch
 from spmd.tensor.placement import Placement
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
-__all__ = ["OpStrategy", "OpCall", "Rule", "LocalArgs", "LocalImpl", "OpRegistry", "REGISTRY", "register_rule"]
+__all__ = [
+    "OpStrategy",
+    "OpCall",
+    "Rule",
+    "LocalArgs",
+    "LocalImpl",
+    "Decomposition",
+    "Expansion",
+    "OpRegistry",
+    "REGISTRY",
+    "register_rule",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +74,12 @@ LocalImpl = Callable[[Any, list[Any], dict[str, Any], tuple[DTensorSpec, ...], t
 """Computes the local result itself instead of calling the op on the shards (random ops draw the
 global tensor and keep their piece): ``(op, args, kwargs, input specs as redistributed, output
 specs) -> local result``. Output specs are None for non-tensor outputs."""
+Expansion = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+"""Runs a call as other DTensor ops: ``(op, args, kwargs) -> result``, the arguments as the caller gave them."""
+Decomposition = Callable[[OpCall], Expansion | None]
+"""Says, from a call's specs and arguments, whether the op runs as other DTensor ops instead of
+through its rule (the p-norm of a sharded dim: power sums -> P(sum) -> pow(1/p)): the ``Expansion``
+that runs it, or None to use the rule. Decided once per cache key, like a rule's candidates."""
 
 
 def _overloads(op: Any) -> list[torch._ops.OpOverload]:
@@ -78,16 +95,22 @@ class OpRegistry:
         self._rules: dict[Any, Rule] = {}
         self._local_args: dict[Any, LocalArgs] = {}
         self._local_impls: dict[Any, LocalImpl] = {}
+        self._decompositions: dict[Any, Decomposition] = {}
         self.version = 0
         """Bumped on every change so decision caches know to drop their entries."""
 
     def register(
-        self, *ops: Any, local_args: LocalArgs | None = None, local_impl: LocalImpl | None = None
+        self,
+        *ops: Any,
+        local_args: LocalArgs | None = None,
+        local_impl: LocalImpl | None = None,
+        decompose: Decomposition | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload.
 
         ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand);
-        ``local_impl`` for ops whose local result is not the op applied to the shards (random ops).
+        ``local_impl`` for ops whose local result is not the op applied to the shards (random ops);
+        ``decompose`` for ops that, on some layouts, are better run as other DTensor ops.
         """
 
         def decorate(rule: Rule) -> Rule:
@@ -98,6 +121,8 @@ class OpRegistry:
                         self._local_args[overload] = local_args
                     if local_impl is not None:
                         self._local_impls[overload] = local_impl
+                    if decompose is not None:
+                        self._decompositions[overload] = decompose
             self.version += 1
             return rule
 
@@ -112,13 +137,20 @@ class OpRegistry:
     def local_impl_for(self, op: Any) -> LocalImpl | None:
         return self._local_impls.get(op)
 
+    def decomposition_for(self, op: Any) -> Decomposition | None:
+        return self._decompositions.get(op)
+
     def registered_ops(self) -> list[Any]:
         return list(self._rules)
 
     @contextlib.contextmanager
     def override(self, op: Any, rule: Rule | None) -> Iterator[None]:
-        """Use ``rule`` for ``op`` (None removes it) inside the block; tests use this, not patching."""
+        """Use ``rule`` for ``op`` (None removes it) inside the block; tests use this, not patching.
+
+        The op's decomposition is set aside too, so the block's rule decides every call.
+        """
         saved = {o: self._rules.get(o) for o in _overloads(op)}
+        saved_decompositions = {o: self._decompositions.pop(o) for o in saved if o in self._decompositions}
         for o in saved:
             if rule is None:
                 self._rules.pop(o, None)
@@ -133,6 +165,7 @@ class OpRegistry:
                     self._rules.pop(o, None)
                 else:
                     self._rules[o] = old
+            self._decompositions.update(saved_decompositions)
             self.version += 1
 
 

@@ -87,6 +87,10 @@ CASES = [
     Case("vector_norm(0, 0)", lambda x: torch.linalg.vector_norm(x, 0, dim=0), differentiable=False),
     Case("norm(p=3, dim=0)", lambda x: x.norm(p=3, dim=0), needs=(MASKED_FILL_,)),
     Case("aten.norm(1, [1])", lambda x: aten.norm.ScalarOpt_dim(x, 1, [1]), needs=(aten.sgn.default,)),
+    Case("vector_norm(0.5, 1, keepdim)", lambda x: torch.linalg.vector_norm(x, 0.5, dim=1, keepdim=True),
+         needs=(MASKED_FILL_,)),
+    Case("vector_norm(3, (0, 1), keepdim)", lambda x: torch.linalg.vector_norm(x, 3, dim=(0, 1), keepdim=True),
+         needs=(MASKED_FILL_,)),
     Case("var(1)", lambda x: x.var(1)),
     Case("var(0, correction=0)", lambda x: x.var(0, correction=0)),
     Case("std()", lambda x: x.std(), needs=(MASKED_FILL_,)),
@@ -327,6 +331,40 @@ class ReductionPlacementTest(DTensorTestBase):
             out, collectives = self.run_op(fn, full, mesh, [S0])
             self.assertGreater(collectives, 0)
             self.assertFalse(any(p.is_partial() for p in out.placements))
+
+    def check_p_norm(self, mesh: Any, placements: Sequence[Any], ord_value: float, dim: Any, keepdim: bool) -> None:
+        """Sums of |x|^p stay on their shards: no all_gather, one all_reduce per mesh dim sharding a reduced dim."""
+        full = seeded(*UNEVEN)
+        def norm(x: Any) -> Any:
+            return torch.linalg.vector_norm(x, ord_value, dim=dim, keepdim=keepdim)
+
+        out, _ = self.run_op(norm, full, mesh, placements)
+        x = distribute_tensor(full, mesh, placements)
+        with CommDebugMode() as comm:
+            norm(x)
+        reduced = range(2) if dim is None else [dim % 2]
+        sharding = sum(1 for p in placements if isinstance(p, Shard) and p.dim in reduced)
+        expected = {"all_reduce": sharding} if sharding else {}
+        self.assertEqual({str(k): n for k, n in comm.get_comm_counts().items()}, expected)
+        self.assertFalse(any(p.is_partial() for p in out.placements))
+
+    @with_comms
+    def test_p_norms_of_a_sharded_dim_add_up_powers_shard_by_shard(self) -> None:
+        options = {"ord_value": [2.0, 3, 0.5], "dim": [None, 0, -1], "keepdim": [False, True]}
+        mesh = init_device_mesh("cpu", (4,))
+        self.run_subtests({"placements": [(S0,), (S1,)], **options}, self.check_p_norm, mesh)
+        mesh = init_device_mesh("cpu", (2, 2))
+        self.run_subtests({"placements": [(S0, S1), (S1, S1), (R, S0)], **options}, self.check_p_norm, mesh)
+
+    @with_comms
+    def test_p_norm_of_a_half_tensor_does_not_overflow(self) -> None:
+        """|x|^2 of a half overflows at 256; the norm is summed in float32 as torch's kernel does."""
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.full((8, 4), 300.0, dtype=torch.float16)
+        out, _ = self.run_op(lambda x: torch.linalg.vector_norm(x, dim=0), full, mesh, [S0])
+        self.assertEqual(out.dtype, torch.float16)
+        out, _ = self.run_op(lambda x: torch.linalg.vector_norm(x, 3, dtype=torch.float64), full, mesh, [S1])
+        self.assertEqual(out.dtype, torch.float64)
 
     @with_comms
     def test_all_and_any_are_pending_and_or(self) -> None:
