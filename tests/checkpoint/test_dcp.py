@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from spmd import checkpoint
+import spmd.checkpoint as checkpoint
 from spmd.checkpoint import CheckpointError
 from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh

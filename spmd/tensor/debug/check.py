@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-import spmd
 from spmd.tensor.comm.base import CollectiveMismatchError, Communicator, set_collective_check
 from spmd.tensor.debug.state import STATE, current_op
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT
@@ -144,8 +143,11 @@ def set_check_collectives(enabled: bool) -> None:
         _release()
 
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__ or "") + os.sep for module in (spmd, torch, contextlib, threading)
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The spmd package's folder (this file is spmd/tensor/debug/check.py)."""
+_LIBRARY_DIRS = (
+    _SPMD_DIR + os.sep,
+    *(os.path.dirname(module.__file__ or "") + os.sep for module in (torch, contextlib, threading)),
 )
 
 
