@@ -216,15 +216,14 @@ def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
             placements: Sequence[Placement] | None, dtype: torch.dtype | None, requires_grad: bool) -> DTensor:
     if device_mesh is None:
         raise ValueError("DTensor factories need device_mesh=")
-    from spmd.tensor.random import draw_global, local_piece_of
+    from spmd.tensor.random import draw_local
 
     shape = _size_arg(size)
     dtype = dtype or torch.get_default_dtype()
     placements = _resolve_placements(device_mesh, placements, len(shape))
-    # Each rank draws the global tensor from its DTensor generator and keeps its piece: the
-    # numbers a single device would draw, with no communication.
-    full = draw_global(device_mesh, shape, dtype, fill)
-    local = local_piece_of(full, device_mesh, placements)
+    # Each rank draws its piece of the global tensor a single device would draw, with no
+    # communication (the whole tensor in "torch" mode, only its tiles in "counter" mode).
+    local = draw_local(device_mesh, shape, dtype, placements, fill)
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 

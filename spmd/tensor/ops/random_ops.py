@@ -1,4 +1,7 @@
-"""Random ops: each rank draws the global tensor from its DTensor generator and keeps its piece.
+"""Random ops: each rank draws its piece of the global tensor (``spmd.tensor.random.draw_local``).
+
+In "torch" mode a rank draws the whole global tensor and keeps its piece; in "counter" mode it
+draws only the counter stream's tiles its piece touches (see spmd/tensor/random.py).
 
   uniform_, normal_, bernoulli_, ... (in place):  self keeps its placement (a partial gets the
                                                   value on coordinate 0, as distribute_tensor does)
@@ -17,7 +20,7 @@ import torch
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, identity_candidates, pointwise_candidates
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Placement, Shard
-from spmd.tensor.random import draw_global, local_piece_of
+from spmd.tensor.random import draw_local
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -42,9 +45,10 @@ def _fill_in_place(
 ) -> torch.Tensor:
     spec = inputs[0]
     rest = {k: v for k, v in kwargs.items() if k != "generator"}
-    full = draw_global(spec.mesh, spec.shape, spec.tensor_meta.dtype, _IN_PLACE_FILLS[op], *args[1:], **rest)
+    fill = _IN_PLACE_FILLS[op]
+    fresh = draw_local(spec.mesh, spec.shape, spec.tensor_meta.dtype, spec.placements, fill, *args[1:], **rest)
     local: torch.Tensor = args[0]
-    return local.copy_(local_piece_of(full, spec.mesh, spec.placements))
+    return local.copy_(fresh)
 
 
 @register_rule(*_IN_PLACE_FILLS, local_impl=_fill_in_place)
@@ -57,8 +61,7 @@ def _like(
     op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
 ) -> torch.Tensor:
     out: DTensorSpec = outputs[0]
-    full = draw_global(out.mesh, out.shape, out.tensor_meta.dtype, _LIKE_FILLS[op])
-    return local_piece_of(full, out.mesh, out.placements)
+    return draw_local(out.mesh, out.shape, out.tensor_meta.dtype, out.placements, _LIKE_FILLS[op])
 
 
 @register_rule(*_LIKE_FILLS, local_impl=_like)
@@ -79,8 +82,7 @@ def _dropout(
     if train is False:
         return local.clone(), torch.ones_like(local, dtype=torch.bool)
     keep = 1.0 - p
-    full = draw_global(mask_spec.mesh, mask_spec.shape, local.dtype, "bernoulli_", keep)
-    mask = local_piece_of(full, mask_spec.mesh, mask_spec.placements)
+    mask = draw_local(mask_spec.mesh, mask_spec.shape, local.dtype, mask_spec.placements, "bernoulli_", keep)
     scale = 1.0 / keep if keep > 0 else 0.0
     return local * mask * scale, mask.bool()
 
