@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
+from spmd.tensor.debug.fallbacks import record_fallback, warn_once
 from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import log_decision, log_line
+from spmd.tensor.debug.verbose import log_decision, log_line, replication_note
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op, log_decomposition
 from spmd.tensor.ops.registry import REGISTRY, OpCall
@@ -45,7 +46,6 @@ class Dispatcher:
         self.misses = 0
         self.fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
         """Run ops that have no rule on replicated inputs (logged) instead of raising."""
-        self._warned: set[Any] = set()
         self._functional: dict[Any, Any] = {}
         """``out=`` overload -> (functional overload, out argument names); list op -> ``_LIST_OP``; else None."""
 
@@ -143,6 +143,7 @@ class Dispatcher:
         else:
             result = op(*local_args, **local_kwargs)
         if decision.fallback:
+            record_fallback(op, [leaves[positions[n]] for n in decision.moves])
             return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:
             return args[0]
@@ -182,7 +183,13 @@ class Dispatcher:
             key = (id(dt), want)
             if key not in done:
                 if verbose:
-                    log_line("  input %d: %s -> %s", n, format_placements(dt._spec.placements), format_placements(want))
+                    log_line(
+                        "  input %d: %s -> %s%s",
+                        n,
+                        format_placements(dt._spec.placements),
+                        format_placements(want),
+                        replication_note(dt._spec, want),
+                    )
                 done[key] = redistribute_local(dt._local_tensor, dt._spec, want)
             local_leaves[positions[n]] = done[key]
 
@@ -266,11 +273,11 @@ class Dispatcher:
     def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int], *, why: str) -> Decision:
         mesh = leaves[positions[0]]._spec.mesh
         replicate = (Replicate(),) * mesh.ndim
-        if op not in self._warned:
-            self._warned.add(op)
+        if warn_once(op):
             fallback_logger.warning(
                 "%s %s; it runs on replicated inputs (every input is gathered). "
-                "Register a rule in spmd/tensor/ops/ to keep it sharded.",
+                "Register a rule in spmd/tensor/ops/ to keep it sharded. Warned once per op and process; "
+                "spmd.tensor.debug.fallback_report() lists every op that fell back, with calls and bytes gathered.",
                 op,
                 why,
             )

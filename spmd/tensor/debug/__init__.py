@@ -4,6 +4,8 @@
 * ``CommDebugMode`` -- collectives and bytes, total, per op and per module.
 * ``visualize_sharding(dtensor)`` -- which rank holds which block.
 * ``explain(op, *args)`` -- the candidate strategies of one call, with costs.
+* ``fallback_report()`` -- every op that ran on the replicate fallback, with calls and bytes
+  gathered per rank (``reset_fallback_report()`` starts afresh).
 * ``SPMD_DEBUG=check`` / ``with check_collectives():`` -- ranks compare each collective before
   issuing it and all raise ``CollectiveMismatchError`` if they disagree.
 """
@@ -16,6 +18,7 @@ from spmd.tensor.debug.check import (
 )
 from spmd.tensor.debug.comm_mode import CommDebugMode
 from spmd.tensor.debug.explain import Explanation, explain
+from spmd.tensor.debug.fallbacks import FallbackRecord, FallbackReport, fallback_report, reset_fallback_report
 from spmd.tensor.debug.state import configure_from_environment
 from spmd.tensor.debug.verbose import is_verbose, set_verbose, verbose
 from spmd.tensor.debug.visualize import sharding_table, visualize_sharding
@@ -29,6 +32,10 @@ __all__ = [
     "sharding_table",
     "explain",
     "Explanation",
+    "fallback_report",
+    "reset_fallback_report",
+    "FallbackReport",
+    "FallbackRecord",
     "check_collectives",
     "set_check_collectives",
     "CollectiveFingerprint",

@@ -17,13 +17,22 @@ from typing import TYPE_CHECKING, Any
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
 from spmd.tensor.debug.state import STATE, current_rank_or_none, parse_ranks
-from spmd.tensor.placement import format_placements
-from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta
+from spmd.tensor.placement import Placement, Replicate, Shard, format_placements
+from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta, local_shape_and_offset
 
 if TYPE_CHECKING:
     from spmd.tensor.propagation import Decision
 
-__all__ = ["set_verbose", "verbose", "is_verbose", "human_bytes", "log_line", "capture_collectives", "log_decision"]
+__all__ = [
+    "set_verbose",
+    "verbose",
+    "is_verbose",
+    "human_bytes",
+    "log_line",
+    "capture_collectives",
+    "log_decision",
+    "replication_note",
+]
 
 LOGGER = logging.getLogger("spmd.tensor")
 _handler: logging.Handler | None = None
@@ -117,10 +126,31 @@ def log_decision(op: Any, specs: list[DTensorSpec], decision: Decision, hit: boo
         if p is not None and m is not None
     )
     if decision.fallback:
-        log_line("%-30s %s  ->  FALLBACK: no rule, inputs replicated   [%s]", op, inputs, "HIT" if hit else "MISS")
+        log_line("%-30s %s  ->  FALLBACK: inputs replicated   [%s]", op, inputs, "HIT" if hit else "MISS")
         return
     chosen = " | ".join(str(s) for s in decision.strategies)
     log_line("%-30s %s  ->  %s   via %s   [%s]", op, inputs, outputs or "-", chosen, "HIT" if hit else "MISS")
+
+
+def replication_note(spec: DTensorSpec, want: Sequence[Placement]) -> str:
+    """``"  gathers 3.0 KiB"`` when moving ``spec`` to ``want`` replicates a sharded mesh dim
+    (``"  reduces ..."`` for a partial one): the bytes this rank then holds. Else ``""``."""
+    mesh_shape = spec.mesh.shape
+    gathers = reduces = False
+    for size, old, new in zip(mesh_shape, spec.placements, want):
+        if size > 1 and isinstance(new, Replicate):
+            gathers = gathers or isinstance(old, Shard)
+            reduces = reduces or not isinstance(old, (Shard, Replicate))
+    if not (gathers or reduces):
+        return ""
+    coordinate = spec.mesh.get_coordinate()
+    if coordinate is None:  # not a rank of the mesh: the first rank's share
+        coordinate = (0,) * len(mesh_shape)
+    shape, _ = local_shape_and_offset(spec.shape, spec.mesh, want, coordinate)
+    nbytes = spec.tensor_meta.dtype.itemsize
+    for size in shape:
+        nbytes *= size
+    return f"  {'gathers' if gathers else 'reduces'} {human_bytes(nbytes)}"
 
 
 def _short_meta(meta: TensorMeta) -> str:

@@ -112,3 +112,25 @@ def test_environment_variable_turns_it_on() -> None:
     assert "[rank 1] aten.add.Tensor" in done.stderr
     assert "[rank 0]" not in done.stderr
     assert "all_gather(dim=0)" in done.stderr
+
+
+def test_a_rule_that_replicates_a_sharded_input_says_how_much_it_gathers(caplog: pytest.LogCaptureFixture) -> None:
+    def softmax_over_sharded_dim() -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = seeded(768)
+        x = distribute_tensor(full, mesh, [Shard(0), Replicate()])
+        torch.testing.assert_close(torch.softmax(x, 0).full_tensor(), torch.softmax(full, 0))
+        total = distribute_tensor(full, mesh, [Replicate(), Partial()])
+        torch.testing.assert_close(torch.softmax(total, 0).full_tensor(), torch.softmax(full, 0))
+        torch.relu(x)  # keeps the shard: no note
+
+    caplog.set_level(logging.INFO, logger="spmd.tensor")
+    with verbose():
+        run_threaded(softmax_over_sharded_dim, 4)
+    lines = verbose_lines(caplog)
+    # 768 float32 values = 3 KiB that every rank now holds whole
+    assert "[rank 0]   input 0: (S(0), R) -> (R, R)  gathers 3.0 KiB" in lines
+    # a partial sum made whole is reduced, not gathered (the rank held 3 KiB already)
+    assert "[rank 0]   input 0: (R, P(sum)) -> (R, R)  reduces 3.0 KiB" in lines
+    relu = next(i for i, line in enumerate(lines) if "aten.relu.default" in line)
+    assert not any("gathers" in line or "reduces" in line for line in lines[relu:])
