@@ -1,6 +1,8 @@
 """Op families; importing this package registers every rule in the one registry."""
 
-from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
+from spmd.tensor.ops import (  # noqa: F401  (registration side effect
+    sort_ops,
+)
     foreach,
     indexing,
     matrix,
