@@ -1,8 +1,6 @@
 """Op families; importing this package registers every rule in the one registry."""
 
-from spmd.tensor.ops import (  # noqa: F401  (registration side effect
-    sort_ops,
-)
+from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     foreach,
     indexing,
     matrix,
@@ -13,6 +11,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect
     reductions,
     reductions_scan,
     shape_ops,
+    sort_ops,
     tensor_ops,
     views,
 )
