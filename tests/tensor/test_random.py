@@ -62,6 +62,26 @@ def test_in_place_fills_and_like_ops() -> None:
             torch.testing.assert_close(got, want)
 
 
+def test_randint_like_matches_a_single_device() -> None:
+    def draws() -> list[torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2, 2))
+        manual_seed(4, mesh)
+        x = distribute_tensor(torch.zeros(7, 6), mesh, [Shard(1), Shard(0)])
+        a = torch.randint_like(x, 10)
+        b = torch.randint_like(x, -3, 3, dtype=torch.int64)
+        assert a.placements == x.placements and b.dtype == torch.int64
+        return [a.full_tensor(), b.full_tensor()]
+
+    generator = torch.Generator().manual_seed(4)
+    expected = [
+        torch.empty(7, 6).random_(0, 10, generator=generator),
+        torch.empty(7, 6, dtype=torch.int64).random_(-3, 3, generator=generator),
+    ]
+    for per_rank in run_threaded(draws, 4):
+        for got, want in zip(per_rank, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_dropout_on_shards_matches_single_device_and_backprops() -> None:
     full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 

@@ -139,8 +139,9 @@ def test_in_place_fills_like_ops_and_partials() -> None:
         z = torch.rand_like(distribute_tensor(torch.zeros(6, 10), mesh, [Shard(1)]))
         p = distribute_tensor(torch.zeros(4, 4), mesh, [Partial()])
         p.normal_()
+        k = torch.randint_like(x, -3, 3, dtype=torch.int64)
         assert x.placements == (Shard(0),) and y.placements == (Shard(0),) and p.placements == (Partial(),)
-        return [x.full_tensor(), y.full_tensor(), z.full_tensor(), p.full_tensor()]
+        return [x.full_tensor(), y.full_tensor(), z.full_tensor(), p.full_tensor(), k.full_tensor()]
 
     stream = CounterStream(3)
     expected = [
@@ -148,6 +149,7 @@ def test_in_place_fills_like_ops_and_partials() -> None:
         stream.randn(9, 5),
         stream.rand(6, 10),
         stream.randn(4, 4),
+        stream.draw((9, 5), "random_", -3, 3, dtype=torch.int64),
     ]
     for per_rank in run_threaded(ranks, 4):
         for got, want in zip(per_rank, expected):

@@ -5,7 +5,7 @@ draws only the counter stream's tiles its piece touches (see spmd/tensor/random.
 
   uniform_, normal_, bernoulli_, ... (in place):  self keeps its placement (a partial gets the
                                                   value on coordinate 0, as distribute_tensor does)
-  rand_like, randn_like:                          S(d) -> S(d); R -> R; P -> R
+  rand_like, randn_like, randint_like:            S(d) -> S(d); R -> R; P -> R
   native_dropout(x):                              S(d) -> S(d), mask S(d); R -> R; P -> P, mask R
   native_dropout_backward(grad, mask):            elementwise, linear in grad
 """
@@ -37,7 +37,12 @@ _IN_PLACE_FILLS = {
     aten.random_.to: "random_",
     getattr(aten.random_, "from"): "random_",
 }
-_LIKE_FILLS = {aten.rand_like.default: "uniform_", aten.randn_like.default: "normal_"}
+_LIKE_FILLS = {
+    aten.rand_like.default: "uniform_",
+    aten.randn_like.default: "normal_",
+    aten.randint_like.default: "random_",  # randint_like(x, high) is random_(0, high)
+    aten.randint_like.low_dtype: "random_",  # randint_like(x, low, high) is random_(low, high)
+}
 
 
 def _fill_in_place(
@@ -61,7 +66,10 @@ def _like(
     op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
 ) -> torch.Tensor:
     out: DTensorSpec = outputs[0]
-    return draw_local(out.mesh, out.shape, out.tensor_meta.dtype, out.placements, _LIKE_FILLS[op])
+    bounds = [int(b) for b in args[1:3]]
+    if op is aten.randint_like.default:
+        bounds = [0, *bounds]
+    return draw_local(out.mesh, out.shape, out.tensor_meta.dtype, out.placements, _LIKE_FILLS[op], *bounds)
 
 
 @register_rule(*_LIKE_FILLS, local_impl=_like)
