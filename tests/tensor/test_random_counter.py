@@ -44,7 +44,7 @@ def test_factories_equal_the_single_device_stream_on_every_layout() -> None:
     # (260, 300): 3 x 3 tiles of 128 x 128, uneven edges; (3, 300): an empty shard on 4 ranks.
     shapes = [(260, 300), (3, 300)]
 
-    def check(mesh_shape: tuple[int, ...], shape: tuple[int, int], placements: tuple[Placement, ...]) -> None:
+    def check(mesh_shape: tuple[int, ...], shape: tuple[int, ...], placements: tuple[Placement, ...]) -> None:
         if len(placements) != len(mesh_shape):
             return
         mesh = counter_mesh(mesh_shape, seed=7)
@@ -57,6 +57,9 @@ def test_factories_equal_the_single_device_stream_on_every_layout() -> None:
     def ranks() -> None:
         run_subtests({"mesh_shape": [(4,)], "shape": shapes, "placements": ONE_D}, check)
         run_subtests({"mesh_shape": [(2, 2)], "shape": shapes, "placements": TWO_D}, check)
+        # 3-d: (6, 40, 90) is 1 x 2 x 2 tiles of (6, 32, 64)
+        three_d = [(Shard(2),), (Shard(1),), (Shard(0), Shard(2)), (Shard(2), Shard(1)), (Shard(2), Shard(2))]
+        run_subtests({"mesh_shape": [(4,), (2, 2)], "shape": [(6, 40, 90)], "placements": three_d}, check)
 
     run_threaded(ranks, 4)
 
@@ -184,6 +187,20 @@ def test_dropout_matches_the_stream_forward_and_backward() -> None:
             torch.testing.assert_close(grad, mask / 0.6)
 
 
+def test_dropout_of_a_partial_stays_partial_with_a_replicated_mask() -> None:
+    full = seeded_randn(40, 36, seed=2)
+
+    def ranks() -> torch.Tensor:
+        mesh = counter_mesh((4,), seed=6)
+        out = F.dropout(distribute_tensor(full, mesh, [Partial()]), p=0.5, training=True)
+        assert out.placements == (Partial(),)
+        return out.full_tensor()
+
+    mask = CounterStream(6).draw((40, 36), "bernoulli_", 0.5)
+    for out in run_threaded(ranks, 4):
+        torch.testing.assert_close(out, full * mask * 2)
+
+
 def test_process_default_mode_applies_to_every_rank() -> None:
     def ranks() -> torch.Tensor:
         mesh = init_device_mesh("cpu", (4,))
@@ -206,7 +223,7 @@ def test_the_stream_is_a_fixed_function_of_seed_and_position() -> None:
     assert torch.equal(CounterStream(0).rand(3), first)
     assert stream.offset == 3 and not torch.equal(stream.rand(3), first)
     assert tile_shape((4096, 4096)) == (128, 128) and tile_shape((7, 6)) == (7, 6)
-    assert tile_shape((8, 2048, 4096)) == (8, 32, 64)
+    assert tile_shape((8, 2048, 4096)) == (8, 32, 64) and tile_shape((6, 40, 90)) == (6, 32, 64)
 
 
 def test_an_unknown_mode_says_which_exist() -> None:
