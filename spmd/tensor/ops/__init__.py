@@ -3,6 +3,7 @@
 from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     foreach,
     indexing,
+    losses,
     matrix,
     nn,
     optim,
