@@ -230,11 +230,13 @@ def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
 
 def rand(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
-    """Uniform [0, 1) values: a single device's draw after ``torch.manual_seed`` with the same seed."""
+    """Uniform [0, 1) values: a single device's draw after ``torch.manual_seed`` with the same seed
+    (default "torch" RNG mode), or ``CounterStream``'s draw in "counter" mode (``spmd.tensor.random``)."""
     return _random("uniform_", size, device_mesh, placements, dtype, requires_grad)
 
 
 def randn(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
           dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
-    """Standard normal values: a single device's draw after ``torch.manual_seed`` with the same seed."""
+    """Standard normal values: a single device's draw after ``torch.manual_seed`` with the same seed
+    (default "torch" RNG mode), or ``CounterStream``'s draw in "counter" mode (``spmd.tensor.random``)."""
     return _random("normal_", size, device_mesh, placements, dtype, requires_grad)
