@@ -3,7 +3,8 @@
 Algebra (per mesh dim, broadcasting aligned from the right):
   unary f:    S(d) -> S(d); R -> R; P must be reduced first (relu, exp, ...)
   neg, x*c:   additionally P(sum|avg) -> P
-  add, sub:   S(d) x S(d) -> S(d); P x P -> P (sum with a scalar operand only for avg)
+  add, sub, rsub:  S(d) x S(d) -> S(d); P x P -> P (sum with a scalar operand only for avg)
+  fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> same P (every rank holds v); v a DTensor must be R
   mul:        P x R -> P; R x P -> P
   div:        P x R -> P
 """
@@ -16,6 +17,7 @@ import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R, pointwise_candidates
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.placement import Partial, Placement, Shard
 
 aten = torch.ops.aten
 
@@ -66,7 +68,7 @@ def nonlinear_rule(call: OpCall) -> Sequence[OpStrategy]:
     return pointwise_candidates(call)
 
 
-@register_rule(*_packets(["add", "sub"]))
+@register_rule(*_packets(["add", "sub", "rsub"]))
 def additive_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) x S(d) -> S(d); P(sum) x P(sum) -> P(sum)."""
     return pointwise_candidates(call, linearity="additive")
@@ -91,6 +93,16 @@ def linear_in_first_rule(call: OpCall) -> Sequence[OpStrategy]:
 def neg_rule(call: OpCall) -> Sequence[OpStrategy]:
     """-(P) -> P."""
     return pointwise_candidates(call, linearity="unary")
+
+
+@register_rule(*_packets(["fill"]))
+def fill_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> P (v on every rank); a DTensor v is R."""
+    ndim = call.input_specs[0].ndim
+    value = (R,) * (len(call.input_specs) - 1)  # fill.Tensor's 0-d value, when it is a DTensor
+    # Not P(sum): v on every rank would add up to n * v.
+    options: list[Placement] = [R, *(Shard(d) for d in range(ndim)), *(Partial(op) for op in ("avg", "max", "min"))]
+    return [OpStrategy((p, *value), (p,)) for p in options]
 
 
 def _is_inplace_name(call: OpCall) -> bool:

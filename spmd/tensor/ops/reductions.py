@@ -3,6 +3,7 @@ the global one; where they do not, the dim is replicated first. Kept dims keep t
 
   every reduction:     S(d), d kept -> S(d') (d' = d less the dropped dims before it);  R -> R
   sum, nansum:         S(d), d reduced -> P(sum)
+  count_nonzero:       S(d), d reduced -> P(sum) (an empty shard counts 0); a partial is reduced first
   mean:                S(d), d reduced -> P(avg), only when d's size divides by the mesh size
   amax, max():         S(d), d reduced -> P(max) (no shard empty);  amin, min() -> P(min)
   aminmax:             S(d), d reduced -> P(min), P(max)
@@ -111,6 +112,13 @@ def sum_rule(call: OpCall) -> Sequence[OpStrategy]:
 @register_rule(aten.nansum.default)
 def nansum_rule(call: OpCall) -> Sequence[OpStrategy]:
     """nansum: S(d) reduced -> P(sum); a partial is reduced first (NaN in one piece is not NaN in all)."""
+    ndim, dims, keepdim = reduction_args(call)
+    return reduction_candidates(ndim, dims, keepdim, SUM)
+
+
+@register_rule(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def count_nonzero_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """count_nonzero: S(d) reduced -> P(sum); S(d) kept -> S(d'); R -> R (a sum's zeros are no piece's zeros)."""
     ndim, dims, keepdim = reduction_args(call)
     return reduction_candidates(ndim, dims, keepdim, SUM)
 

@@ -101,6 +101,9 @@ CASES = [
     Case("all(0, keepdim)", lambda x: (x > -1).all(0, keepdim=True), differentiable=False),
     Case("any(1)", lambda x: (x > 1).any(1), differentiable=False),
     Case("any((0, 1))", lambda x: torch.any(x > 1, dim=(0, 1)), differentiable=False),
+    Case("count_nonzero()", lambda x: torch.count_nonzero(x.round()), differentiable=False),
+    Case("count_nonzero(0)", lambda x: torch.count_nonzero(x.round(), 0), differentiable=False),
+    Case("count_nonzero((0, 1))", lambda x: torch.count_nonzero(x.round(), (0, 1)), differentiable=False),
     Case("logsumexp(1)", lambda x: x.logsumexp(1)),
     Case("logsumexp((0, 1))", lambda x: x.logsumexp((0, 1))),
     Case("logsumexp(-1, keepdim)", lambda x: x.logsumexp(-1, keepdim=True)),
@@ -376,6 +379,22 @@ class ReductionPlacementTest(DTensorTestBase):
         # an empty shard is neutral: all of nothing is True, any of nothing is False
         out, collectives = self.run_op(lambda x: (x > 0).any(1), full, mesh, [S1])
         self.assertEqual((collectives, out.placements), (0, (Partial("max"),)))
+
+    @with_comms
+    def test_count_nonzero_is_a_pending_sum(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = seeded(7, 5).round()  # about a third zeros
+        for fn, placements, expected in [
+            (lambda x: torch.count_nonzero(x), [S0], (Partial("sum"),)),
+            (lambda x: torch.count_nonzero(x, 1), [S1], (Partial("sum"),)),  # 5 columns: one rank has none
+            (lambda x: torch.count_nonzero(x, 1), [S0], (S0,)),
+            (lambda x: torch.count_nonzero(x, (0, 1)), [S1], (Partial("sum"),)),
+        ]:
+            out, collectives = self.run_op(fn, full, mesh, placements)
+            self.assertEqual((collectives, out.placements, out.dtype), (0, expected, torch.int64))
+        # the zeros of a pending sum are not its pieces' zeros
+        x = DTensor.from_local(torch.tensor([1.0, -1.0, 0.0]) * (1 if self.rank % 2 else -1), mesh, [Partial("sum")])
+        self.assertEqual(torch.count_nonzero(x).full_tensor().item(), 0)
 
     @with_comms
     def test_scans_keep_shards_off_the_scanned_dim(self) -> None:
