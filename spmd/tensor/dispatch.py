@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
 from spmd.tensor.debug.fallbacks import record_fallback, warn_once
@@ -146,6 +147,8 @@ class Dispatcher:
             record_fallback(op, [leaves[positions[n]] for n in decision.moves])
             return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:
+            if decision.reshapes_self:
+                _reshape_self(op, args, kwargs, decision.output_specs[0])
             return args[0]
         output_specs = decision.output_specs
         if type(result) is torch.Tensor:
@@ -382,6 +385,15 @@ def implicit_replication() -> Iterator[None]:
         yield
     finally:
         _implicit.enabled = was
+
+
+def _reshape_self(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], spec: DTensorSpec | None) -> None:
+    """After an in-place view (``squeeze_``, ``t_``) of the local shard, self takes the new spec and
+    its wrapper's sizes and strides follow (torch's helper reruns the op on the metadata only)."""
+    target: DTensor = args[0]
+    assert spec is not None
+    target._spec = spec
+    return_and_correct_aliasing(op, args, kwargs, target)  # type: ignore[no-untyped-call]
 
 
 def _finish_fallback(result: Any, decision: Decision, args: tuple[Any, ...], local_args: list[Any], mesh: Any) -> Any:

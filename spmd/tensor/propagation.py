@@ -51,6 +51,8 @@ class Decision:
     decomposition: Expansion | None = None
     """The ``Expansion`` that runs the call as other DTensor ops (the op's decomposition applies);
     then nothing else here is used."""
+    reshapes_self: bool = False
+    """An in-place view (``squeeze_``, ``t_``): self's spec becomes the output's after the call."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -116,10 +118,12 @@ class ShardingPropagator:
         specs = call.input_specs
         mesh = specs[0].mesh
         inplace = is_inplace(call.op)
+        # An in-place view keeps self's data where it is but may rename its dims (S(2) -> S(1)).
+        keeps_output = inplace and torch.Tag.inplace_view not in call.op.tags
         scored: list[tuple[OpStrategy, float | None]] = []
         for candidate in candidates:
             current = specs[0].placements[mesh_dim]
-            if inplace and (candidate.inputs[0] != current or candidate.outputs[0] != current):
+            if inplace and (candidate.inputs[0] != current or (keeps_output and candidate.outputs[0] != current)):
                 scored.append((candidate, None))
                 continue
             cost = sum(
@@ -180,6 +184,7 @@ class ShardingPropagator:
             inplace,
             self.registry.local_args_for(call.op),
             local_impl=self.registry.local_impl_for(call.op),
+            reshapes_self=inplace and torch.Tag.inplace_view in call.op.tags,
         )
 
 

@@ -1,6 +1,7 @@
 """Op families; importing this package registers every rule in the one registry."""
 
 from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
+    complex_ops,
     foreach,
     indexing,
     losses,

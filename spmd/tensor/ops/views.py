@@ -9,6 +9,9 @@ output dim is o:
   any other sharded dim is replicated first.  R -> R;  P -> P (a view moves no value).
   squeeze:  S(d) -> S(d') unless d is a squeezed dim some rank could hold a 1-long piece of (the
             local squeeze would drop it); d' = d less the removed dims before it.
+  squeeze_, unsqueeze_: the same rules; self keeps its data and takes the output's spec.
+  view(dtype): S(d) -> S(d); with another itemsize the last dim changes size and stays S only when
+            both sizes divide by the mesh size; partials are reduced (reinterpreted bits do not add).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def view_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates
 
 
-@register_rule(aten.unsqueeze.default)
+@register_rule(aten.unsqueeze.default, aten.unsqueeze_.default)
 def unsqueeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) before the new dim, S(d + 1) from it on; R -> R; P -> P."""
     ndim = call.input_specs[0].ndim
@@ -123,13 +126,14 @@ def never_one_long(size: int, mesh_size: int) -> bool:
     return size % mesh_size == 0 and size // mesh_size != 1
 
 
-@register_rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@register_rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_.default, aten.squeeze_.dim,
+               aten.squeeze_.dims)
 def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d less removed dims before it); a named dim of size > 1 keeps S only if no piece is 1 long."""
     spec = call.input_specs[0]
     shape = spec.shape
     dims_arg = call.arg(1, "dim", None)
-    if call.op is aten.squeeze.default:
+    if call.op in (aten.squeeze.default, aten.squeeze_.default):
         named = set(range(len(shape)))
     elif isinstance(dims_arg, (list, tuple)):
         named = {normalize_dim(int(d), len(shape)) for d in dims_arg}
@@ -143,4 +147,21 @@ def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
             continue
         candidates.append(OpStrategy((Shard(d),), (Shard(d - sum(1 for r in removed if r < d)),)))
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
+    return candidates
+
+
+@register_rule(aten.view.dtype)
+def view_dtype_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d); a last dim whose size changes (other itemsize) stays S only if both sizes divide
+    by the mesh size; R -> R; partials are reduced first (reinterpreted bits do not add)."""
+    spec = call.input_specs[0]
+    meta = call.output_metas[0]
+    assert meta is not None
+    ndim = spec.ndim
+    mesh_size = spec.mesh.size()
+    candidates = [OpStrategy((R,), (R,))]
+    for d in range(ndim):
+        resized = spec.shape[d] != meta.shape[d]
+        if not resized or (spec.shape[d] % mesh_size == 0 and meta.shape[d] % mesh_size == 0):
+            candidates.append(OpStrategy((Shard(d),), (Shard(d),)))
     return candidates

@@ -1,0 +1,340 @@
+"""The ops a torchtitan-style Llama uses beyond matmuls: complex views for rotary embeddings,
+in-place views, dtype views and repeat_interleave keep their shards; values and gradients equal torch."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.placement import Placement
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing.layouts import make_dtensor
+
+R = Replicate()
+MESHES = [(4,), (2, 2)]
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """Complex results are compared and differentiated through their (re, im) pairs."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def leaf(full: torch.Tensor, mesh, placements: Sequence[Placement]) -> DTensor:
+    """A DTensor whose .grad we can read: a distributed leaf, or a genuinely partial one."""
+    if any(isinstance(p, Partial) for p in placements):
+        x = make_dtensor(full, mesh, placements, requires_grad=True)
+        x.retain_grad()
+        return x
+    return distribute_tensor(full, mesh, placements).requires_grad_()
+
+
+def check(
+    fn: Callable[..., torch.Tensor],
+    mesh,
+    fulls: Sequence[torch.Tensor],
+    layouts: Sequence[Sequence[Placement]],
+    *,
+    backward: bool = True,
+    collectives: int | None = None,
+) -> DTensor:
+    """fn on DTensors equals fn on plain tensors, forward and backward; ``collectives`` counts the forward's."""
+    xs = [leaf(f, mesh, p) for f, p in zip(fulls, layouts)]
+    refs = [f.clone().requires_grad_(backward) for f in fulls]
+    with CommDebugMode() as comm:
+        out = fn(*xs)
+    if collectives is not None:
+        assert comm.get_total_counts() == collectives, (layouts, comm.get_comm_counts())
+    expected = fn(*refs)
+    assert isinstance(out, DTensor), type(out)
+    torch.testing.assert_close(out.full_tensor(), expected)
+    if backward:
+        weight = randn(*as_real(expected).shape, seed=10).to(as_real(expected).dtype)
+        (as_real(out.full_tensor()) * weight).sum().backward()
+        (as_real(expected) * weight).sum().backward()
+        for x, ref in zip(xs, refs):
+            torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
+    return out
+
+
+def layouts_for(mesh_ndim: int, tensor_ndim: int) -> list[tuple[Placement, ...]]:
+    options = [R, *(Shard(d) for d in range(tensor_ndim))]
+    return list(itertools.product(options, repeat=mesh_ndim))
+
+
+# ----- the torchtitan rotary embedding ----------------------------------------------------------------
+def precompute_freqs_cis(head_dim: int, seq_len: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: [batch, seq, heads, head_dim]; freqs_cis: [seq, head_dim // 2] complex."""
+    xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[3])
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class RotaryEmbeddingTest(DTensorTestBase):
+    @with_comms
+    def test_rotary_block_on_head_or_batch_shards_moves_nothing(self) -> None:
+        batch, seq, heads, head_dim = 4, 6, 8, 16
+        freqs_full = precompute_freqs_cis(head_dim, seq)
+
+        def one(mesh_shape, layout) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            q_full, k_full = randn(batch, seq, heads, head_dim, seed=1), randn(batch, seq, heads, head_dim, seed=2)
+            q, k = leaf(q_full, mesh, layout), leaf(k_full, mesh, layout)
+            freqs = distribute_tensor(freqs_full, mesh, [R] * mesh.ndim)
+            with CommDebugMode() as comm:
+                q_out, k_out = apply_rotary_emb(q, k, freqs)
+                loss_q = (q_out * q_out).sum(dim=(1, 3))  # stays sharded on batch or heads
+                loss_k = (k_out * k_out.detach()).sum(dim=(1, 3))
+                (loss_q.to_local().sum() + loss_k.to_local().sum()).backward()
+            self.assertEqual(comm.get_total_counts(), 0, (mesh_shape, layout, comm.get_comm_counts()))
+            self.assertEqual(q_out.placements, tuple(layout))
+            self.assertEqual(q.grad.placements, tuple(layout))
+
+            q_ref, k_ref = q_full.clone().requires_grad_(), k_full.clone().requires_grad_()
+            q_exp, k_exp = apply_rotary_emb(q_ref, k_ref, freqs_full)
+            ((q_exp * q_exp).sum() + (k_exp * k_exp.detach()).sum()).backward()
+            torch.testing.assert_close(q_out.full_tensor(), q_exp)
+            torch.testing.assert_close(k_out.full_tensor(), k_exp)
+            torch.testing.assert_close(q.grad.full_tensor(), q_ref.grad)
+            torch.testing.assert_close(k.grad.full_tensor(), k_ref.grad)
+
+        self.run_subtests(
+            {"mesh_shape": [(4,)], "layout": [(Shard(2),), (Shard(0),)]}, one
+        )
+        self.run_subtests({"mesh_shape": [(2, 2)], "layout": [(Shard(0), Shard(2)), (Shard(2), Shard(0))]}, one)
+
+    @with_comms
+    def test_rotary_block_on_sharded_sequence_with_sharded_freqs(self) -> None:
+        # Sequence parallel: q and freqs_cis both sharded on the sequence dim.
+        mesh = init_device_mesh("cpu", (4,))
+        q_full, freqs_full = randn(2, 8, 3, 8, seed=3), precompute_freqs_cis(8, 8)
+        q = distribute_tensor(q_full, mesh, [Shard(1)])
+        freqs = distribute_tensor(freqs_full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            out, _ = apply_rotary_emb(q, q, freqs)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (Shard(1),))
+        torch.testing.assert_close(out.full_tensor(), apply_rotary_emb(q_full, q_full, freqs_full)[0])
+
+
+# ----- complex views and builders -------------------------------------------------------------------
+class ComplexOpsTest(DTensorTestBase):
+    @with_comms
+    def test_view_as_complex_and_back_keep_every_shard_but_the_pair_dim(self) -> None:
+        c = torch.polar(randn(7, 3, seed=4).abs(), randn(7, 3, seed=5))
+
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            replicated = (R,) * mesh.ndim
+            for layout in layouts_for(mesh.ndim, 3):
+                moves_pair = Shard(2) in layout  # the (re, im) pair is made whole first
+                check(lambda x, w: torch.view_as_complex(x) * w, mesh, [randn(7, 3, 2), c], [layout, replicated],
+                      collectives=None if moves_pair else 0)
+            for layout in layouts_for(mesh.ndim, 2):
+                check(torch.view_as_real, mesh, [c], [layout], collectives=0)
+                check(lambda z: torch.view_as_real(z * 2).flatten(1), mesh, [c], [layout])
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+
+    @with_comms
+    def test_complex_views_pass_sum_partials_and_keep_views_aliased(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        for layout in [(Partial("sum"), Shard(0)), (Partial("avg"), R)]:
+            out = check(lambda x: torch.view_as_real(torch.view_as_complex(x) * 2), mesh, [randn(6, 4, 2)], [layout],
+                        collectives=0)
+            self.assertEqual(out.placements, layout)
+        # a max-partial has no meaning on complex values: it is reduced first
+        check(torch.view_as_complex, mesh, [randn(6, 4, 2)], [(Partial("max"), R)], backward=False)
+
+        x = distribute_tensor(randn(8, 4, 2), mesh, [Shard(0), Shard(1)])
+        z = torch.view_as_complex(x)
+        self.assertEqual(z.placements, (Shard(0), Shard(1)))
+        self.assertEqual(z.to_local().data_ptr(), x.to_local().data_ptr())
+        torch.view_as_real(z).mul_(3)  # writes through both views into x
+        torch.testing.assert_close(x.full_tensor(), randn(8, 4, 2) * 3)
+
+    @with_comms
+    def test_polar_complex_and_conj_are_pointwise(self) -> None:
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout in layouts_for(mesh.ndim, 2):
+                fulls = [randn(5, 6, seed=6).abs(), randn(5, 6, seed=7)]
+                check(torch.polar, mesh, fulls, [layout, layout], collectives=0)
+                check(torch.complex, mesh, fulls, [layout, layout], collectives=0)
+                check(lambda a, b: torch.complex(a, b).conj() * torch.polar(a, b), mesh, fulls, [layout, layout],
+                      collectives=0)
+                check(lambda a, b: torch.conj_physical(torch.complex(a, b)), mesh, fulls, [layout, layout],
+                      collectives=0)
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+        mesh = init_device_mesh("cpu", (4,))
+        # complex(re, im) is linear in (re, im) together: sum partials pass through
+        out = check(torch.complex, mesh, [randn(4, 3, seed=8), randn(4, 3, seed=9)],
+                    [(Partial("sum"),), (Partial("sum"),)], collectives=0)
+        self.assertEqual(out.placements, (Partial("sum"),))
+
+
+# ----- in-place views --------------------------------------------------------------------------------
+class InplaceViewTest(DTensorTestBase):
+    @with_comms
+    def test_matmul_of_vector_and_matrix_matches_torch(self) -> None:
+        # matmul(1-d, 2-d) runs unsqueeze(0) -> mm -> squeeze_(0) on the DTensor itself
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout_v, layout_m in itertools.product(layouts_for(mesh.ndim, 1), layouts_for(mesh.ndim, 2)):
+                check(torch.matmul, mesh, [randn(8), randn(8, 6, seed=1)], [layout_v, layout_m])
+                check(torch.matmul, mesh, [randn(6, 8, seed=1), randn(8)], [layout_m, layout_v])
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+
+    @with_comms
+    def test_inplace_views_update_the_dtensor_spec_without_moving_data(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(5, 1, 8)
+        cases = [
+            # (op, input placement, output placement)
+            (lambda x: x.squeeze_(1), Shard(2), Shard(1)),
+            (lambda x: x.squeeze_(), Shard(2), Shard(1)),  # 8 over 4: no rank's piece is 1 long
+            (lambda x: x.unsqueeze_(0), Shard(2), Shard(3)),
+            (lambda x: x.transpose_(0, 2), Shard(0), Shard(2)),
+            (lambda x: x.squeeze_(1).t_(), Shard(2), Shard(0)),
+            (lambda x: x.swapdims_(1, 2), R, R),
+        ]
+        for op, before, after in cases:
+            x = distribute_tensor(full, mesh, [before])
+            local = x.to_local()
+            with CommDebugMode() as comm:
+                result = op(x)
+            expected = op(full.clone())
+            self.assertIs(result, x)
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(x.placements, (after,))
+            self.assertEqual(x.shape, expected.shape)
+            self.assertEqual(x.stride(), expected.stride())
+            self.assertEqual(x._spec.shape, expected.shape)
+            self.assertEqual(x.to_local().data_ptr(), local.data_ptr())
+            torch.testing.assert_close(x.full_tensor(), expected)
+
+    @with_comms
+    def test_inplace_view_that_would_need_a_move_says_to_redistribute_self(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(4, 1), mesh, [Shard(1)])  # a size-1 dim on 4 ranks: 3 hold nothing
+        with self.assertRaisesRegex(NotImplementedError, "redistribute self"):
+            x.squeeze_(1)
+        self.assertEqual(x.shape, (4, 1))
+        y = distribute_tensor(randn(5, 1, 3), mesh, [Shard(0)])  # 5 rows over 4: one rank holds a single row
+        with self.assertRaisesRegex(NotImplementedError, "redistribute self"):
+            y.squeeze_()
+        y = y.redistribute(mesh, [R])
+        y.squeeze_()
+        self.assertEqual(y.placements, (R,))
+        torch.testing.assert_close(y.full_tensor(), randn(5, 3))
+
+    @with_comms
+    def test_inplace_views_backward(self) -> None:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            y.unsqueeze_(0).transpose_(1, 2)
+            return y.squeeze_(0) * 3
+
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout in layouts_for(mesh.ndim, 2):
+                check(fn, mesh, [randn(5, 6)], [layout], collectives=0)
+            check(fn, mesh, [randn(4, 6)], [(Partial("sum"),) * mesh.ndim], collectives=0)
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+
+
+# ----- view(dtype) -----------------------------------------------------------------------------------
+class ViewDtypeTest(DTensorTestBase):
+    @with_comms
+    def test_view_dtype_keeps_shards_where_the_blocks_line_up(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        cases = [
+            # (shape, placement, dtype, placement kept without communication; None: data must move)
+            ((6, 8), Shard(0), torch.int32, Shard(0)),
+            ((6, 8), Shard(1), torch.int32, Shard(1)),  # same itemsize: any shard
+            ((7, 5), Shard(1), torch.int32, Shard(1)),  # uneven, same itemsize
+            ((6, 8), Shard(1), torch.int8, Shard(1)),  # 8 -> 32 bytes: both divide by 4
+            ((6, 8), Shard(1), torch.float64, Shard(1)),  # 8 -> 4
+            ((6, 4), Shard(1), torch.float64, None),  # 4 -> 2 doubles: a rank's pair of floats is not a block
+            ((6, 6), Shard(1), torch.bfloat16, None),  # 6 does not divide by 4
+            ((5, 6), Shard(0), torch.bfloat16, Shard(0)),  # other dims keep any shard
+        ]
+        for shape, placement, dtype, kept in cases:
+            full = seeded_randn(*shape)
+            x = distribute_tensor(full, mesh, [placement])
+            with CommDebugMode() as comm:
+                out = x.view(dtype)
+            what = f"{shape} {placement} -> {dtype}"
+            if kept is None:
+                self.assertGreater(comm.get_total_counts(), 0, what)
+            else:
+                self.assertEqual(comm.get_total_counts(), 0, what)
+                self.assertEqual(out.placements, (kept,), what)
+                self.assertEqual(out.to_local().data_ptr(), x.to_local().data_ptr(), what)
+            self.assertTrue(torch.equal(out.full_tensor(), full.view(dtype)), what)
+
+    @with_comms
+    def test_view_dtype_reduces_partials_first(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = seeded_randn(4, 6)
+        x = make_dtensor(full, mesh, (Partial("sum"), Shard(0)))
+        out = x.view(torch.int32)
+        self.assertFalse(any(isinstance(p, Partial) for p in out.placements), out.placements)
+        self.assertTrue(torch.equal(out.full_tensor(), x.full_tensor().view(torch.int32)))
+
+
+# ----- repeat_interleave -----------------------------------------------------------------------------
+class RepeatInterleaveTest(DTensorTestBase):
+    @with_comms
+    def test_repeat_interleave_int_keeps_shards(self) -> None:
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout in layouts_for(mesh.ndim, 3):
+                for dim in (0, 1, 2, None):
+                    check(lambda x, dim=dim: x.repeat_interleave(2, dim=dim), mesh, [randn(5, 4, 3)], [layout])
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+        mesh = init_device_mesh("cpu", (4,))
+        cases = [
+            # (placement, dim, placement kept without communication)
+            (Shard(0), 2, Shard(0)),  # a dim not repeated keeps its shard, even or not
+            (Shard(2), 0, Shard(2)),
+            (Shard(1), 1, Shard(1)),  # the repeated dim, sharded evenly (4 over 4)
+        ]
+        full = randn(5, 4, 3)
+        for placement, dim, kept in cases:
+            x = distribute_tensor(full, mesh, [placement])
+            with CommDebugMode() as comm:
+                out = torch.repeat_interleave(x, 3, dim=dim)
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(out.placements, (kept,))
+            torch.testing.assert_close(out.full_tensor(), torch.repeat_interleave(full, 3, dim=dim))
+
+    @with_comms
+    def test_repeat_kv_for_grouped_query_attention(self) -> None:
+        # torchtitan's repeat_kv: [bs, seq, kv_heads, head_dim] -> [bs, seq, kv_heads * n_rep, head_dim]
+        mesh = init_device_mesh("cpu", (4,))
+        for layout in [(Shard(0),), (Shard(2),)]:
+            check(lambda kv: torch.repeat_interleave(kv, 2, dim=2), mesh, [randn(4, 3, 4, 8)], [layout],
+                  collectives=0)
+            check(lambda kv: kv[:, :, :, None, :].expand(4, 3, 4, 2, 8).reshape(4, 3, 8, 8), mesh,
+                  [randn(4, 3, 4, 8)], [layout], collectives=0)
