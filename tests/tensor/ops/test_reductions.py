@@ -405,12 +405,60 @@ class ReductionPlacementTest(DTensorTestBase):
             self.assertEqual(collectives, 0)
             for o in outputs_of(out):
                 self.assertEqual(o.placements, (S0,))
-        out, collectives = self.run_op(lambda x: x.cumsum(0), full, mesh, [S0])
-        self.assertGreater(collectives, 0)
-        self.assertNotEqual(out.placements, (S0,))
+        # cummax's and cummin's indices still need the whole scanned dim
+        for fn in [lambda x: x.cummax(0)[0], lambda x: x.cummin(0)[1]]:
+            out, collectives = self.run_op(fn, full, mesh, [S0])
+            self.assertGreater(collectives, 0)
+            self.assertNotEqual(out.placements, (S0,))
         x = distribute_tensor(full.clone(), mesh, [S0])
         self.assertIs(x.cumsum_(1), x)
         torch.testing.assert_close(x.full_tensor(), full.cumsum(1))
+
+    def check_scan_of_a_sharded_dim(self, mesh: Any, placements: Sequence[Any], fn: Callable[[Any], Any], dim: int) -> None:
+        """The scanned dim stays sharded; the only collectives gather one total per piece and row."""
+        full = seeded(*UNEVEN)
+        x = distribute_tensor(full, mesh, placements)
+        with CommDebugMode() as comm:
+            out = fn(x, dim)
+        torch.testing.assert_close(out.full_tensor(), fn(full, dim))
+        self.assertEqual(out.placements, tuple(placements))
+        gathers = sum(1 for p in placements if p == Shard(dim))
+        self.assertEqual(dict(comm.get_comm_counts()), {"all_gather": gathers})
+        other_dim_size = UNEVEN[1 - dim]
+        self.assertLessEqual(comm.get_total_bytes(), gathers * mesh.size() * other_dim_size * full.element_size())
+
+    @with_comms
+    def test_sum_product_and_logsumexp_scans_keep_the_scanned_dim_sharded(self) -> None:
+        fns = [lambda x, d: x.cumsum(d), lambda x, d: x.cumprod(d), lambda x, d: x.logcumsumexp(d),
+               lambda x, d: x.cumsum(d, dtype=torch.float32)]
+        mesh = init_device_mesh("cpu", (4,))
+        self.run_subtests({"placements": [(S0,), (S1,)], "fn": fns}, lambda placements, fn: self.check_scan_of_a_sharded_dim(
+            mesh, placements, fn, placements[0].dim))
+        mesh_2d = init_device_mesh("cpu", (2, 2))
+        for placements, dim in [((S0, S1), 0), ((S0, S1), 1), ((S1, S1), 1), ((S0, S0), 0), ((R, S0), 0)]:
+            for fn in fns:
+                self.check_scan_of_a_sharded_dim(mesh_2d, placements, fn, dim)
+
+    @with_comms
+    def test_cumsum_of_a_sharded_dim_in_place_and_with_partials(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = seeded(*UNEVEN)
+        x = distribute_tensor(full.clone(), mesh, [S0, S0])
+        self.assertIs(x.cumsum_(0), x)
+        self.assertEqual(x.placements, (S0, S0))
+        torch.testing.assert_close(x.full_tensor(), full.cumsum(0))
+        # a pending sum on the other mesh dim stays pending: a prefix sum is linear
+        _, y = leaf_dtensor(full, mesh, [Partial("sum"), S1])
+        with CommDebugMode() as comm:
+            out = y.cumsum(1)
+        self.assertEqual((out.placements, dict(comm.get_comm_counts())), ((Partial("sum"), S1), {"all_gather": 1}))
+        torch.testing.assert_close(out.full_tensor(), full.cumsum(1))
+        # a zero in one piece zeroes the products of every later piece
+        with_zero = full.clone()
+        with_zero[2, 1] = 0.0
+        out = distribute_tensor(with_zero, mesh, [S0, S0]).cumprod(0)
+        self.assertEqual(out.placements, (S0, S0))
+        torch.testing.assert_close(out.full_tensor(), with_zero.cumprod(0))
 
     @with_comms
     def test_expand_keeps_shards_of_dims_it_does_not_broadcast(self) -> None:
