@@ -12,6 +12,11 @@
                                   S(1) x S(in) -> P(sum) (b P), where no rank is left without
                                   channels; x or w P, b P -> P
   convolution_backward:           S(0) -> dx S(0), dw, db P(sum); channel shards as in forward
+  reflection_pad, replication_pad (x, pad):  S(d) -> S(d) for a dim d the pad leaves alone; P -> P
+  constant_pad_nd (x, pad, v):    the same; P(sum) only for v == 0 (v on every rank would add up)
+  their backward (grad, x):       S(d) x S(d) -> S(d) for d not padded; grad P x R -> P
+  a padded (or cropped) dim must be whole; reflection and replication kernels reject an empty
+  channel dim, so a non-batch dim is sharded only where no piece is empty
   embedding (w, idx):             R x S(d) -> S(d); S(1) x R -> S(last) (colwise); P x R -> P
   embedding_dense_backward:       S(d) grad and idx -> P(sum) (not with scale_grad_by_freq);
                                   grad S(last), idx R -> S(1); grad P -> P
@@ -190,6 +195,52 @@ def convolution_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
             candidates.append(OpStrategy((R, Shard(1), Shard(in_dim)), (Shard(1), Shard(in_dim), R)))
     candidates += [OpStrategy((p, R, R), (p, p, p)) for p in LINEAR_PARTIALS]
     return candidates
+
+
+# ----- padding -------------------------------------------------------------------------------------
+REFLECT_AND_REPLICATE_PADS = [
+    getattr(aten, f"{mode}_pad{n}d").default for mode in ("reflection", "replication") for n in (1, 2, 3)
+]
+REFLECT_AND_REPLICATE_PAD_BACKWARDS = [
+    getattr(aten, f"{mode}_pad{n}d_backward").default for mode in ("reflection", "replication") for n in (1, 2, 3)
+]
+
+
+def unpadded_dims(ndim: int, pad: Sequence[int]) -> list[int]:
+    """Dims that ``pad`` (last dim first: left, right, then the dim before it...) leaves as they are."""
+    padded = {ndim - 1 - k for k in range(len(pad) // 2) if pad[2 * k] != 0 or pad[2 * k + 1] != 0}
+    return [d for d in range(ndim) if d not in padded]
+
+
+def _shardable_pad_dims(call: OpCall, x: DTensorSpec, pad: Sequence[int]) -> list[int]:
+    """The unpadded dims that may stay sharded: reflection and replication kernels reject an empty
+    channel (or other non-batch) dim, so those dims are sharded only where no rank's piece is empty."""
+    dims = unpadded_dims(x.ndim, pad)
+    if call.op in (aten.constant_pad_nd.default,):
+        return dims
+    batched = x.ndim == len(pad) // 2 + 2  # (N, C, *spatial); otherwise (C, *spatial)
+    return [d for d in dims if (batched and d == 0) or no_empty_shards(x.shape[d], x.mesh.shape)]
+
+
+@register_rule(*REFLECT_AND_REPLICATE_PADS, aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """pad: S(d) -> S(d) for d not padded; R -> R; P -> P (P(sum) for constant pads only with value 0)."""
+    pad = [int(p) for p in call.arg(1, "pad" if call.op == aten.constant_pad_nd.default else "padding")]
+    candidates = [OpStrategy((R,), (R,))]
+    candidates += [OpStrategy((Shard(d),), (Shard(d),)) for d in _shardable_pad_dims(call, call.input_specs[0], pad)]
+    value = call.arg(2, "value", 0) if call.op == aten.constant_pad_nd.default else 0
+    partials = [p for p in PARTIALS if p != SUM or value in (0, None)]
+    return candidates + [OpStrategy((p,), (p,)) for p in partials]
+
+
+@register_rule(*REFLECT_AND_REPLICATE_PAD_BACKWARDS)
+def pad_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """(grad, x, pad): S(d) x S(d) -> S(d) for d not padded; grad P x R -> P (x only gives the shape)."""
+    x = call.input_specs[1]
+    pad = [int(p) for p in call.arg(2, "padding")]
+    candidates = [OpStrategy((R, R), (R,))]
+    candidates += [OpStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in _shardable_pad_dims(call, x, pad)]
+    return candidates + [OpStrategy((p, R), (p,)) for p in LINEAR_PARTIALS]
 
 
 # ----- embedding -----------------------------------------------------------------------------------

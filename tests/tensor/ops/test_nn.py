@@ -304,6 +304,88 @@ class ConvolutionTest(DTensorTestBase):
         self.assertEqual((gx.placements, gw.placements, gb.placements), ((S0,), (SUM,), (SUM,)))
 
 
+class PaddingTest(DTensorTestBase):
+    CASES = [
+        # (mode, input shape, pad): reflect needs each pad smaller than its dim
+        ("reflect", (5, 3, 7), (2, 1)),
+        ("replicate", (5, 3, 7), (0, 3)),
+        ("reflect", (5, 3, 6, 7), (1, 2, 2, 0)),
+        ("replicate", (5, 3, 6, 7), (0, 0, 1, 2)),  # the last dim is left alone
+        ("reflect", (3, 2, 4, 5, 6), (1, 1, 2, 0, 1, 2)),
+        ("replicate", (3, 2, 4, 5, 6), (2, 1, 0, 1, 1, 0)),
+        ("constant", (5, 3, 7), (1, 2, 0, 0, 2, 1)),  # pads dims 2 and 0, not 1
+        ("constant", (5, 3, 6, 7), (-1, 2, 1, -2)),  # negative pads crop
+        ("circular", (5, 3, 7), (2, 1)),
+    ]
+
+    @with_comms
+    def test_every_pad_mode_and_layout(self) -> None:
+        def check(mesh: Any, case: tuple[str, tuple[int, ...], tuple[int, ...]], layout: list[Any]) -> None:
+            mode, shape, pad = case
+            value = 0.5 if mode == "constant" else None
+            check_against_torch(lambda t: F.pad(t, pad, mode=mode, value=value), [randn(*shape)], mesh, [layout])
+
+        mesh = init_device_mesh("cpu", (4,))
+        self.run_subtests({"case": self.CASES, "layout": [[R], [S0], [S1], [S2], [SUM]]}, check, mesh)
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        self.run_subtests({"case": self.CASES, "layout": [[S0, S1], [S1, S2], [S2, S0]]}, check, mesh2)
+
+    @with_comms
+    def test_padding_other_dims_moves_no_data(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        for mode, pad, layout in [
+            ("reflect", (2, 1, 1, 1), [S0, S1]),
+            ("replicate", (2, 1, 1, 1), [S1, S0]),
+            ("reflect", (1, 1, 0, 0), [S0, S2]),  # only the last dim is padded
+            ("constant", (2, 1, 1, 1), [S0, S1]),
+        ]:
+            full = randn(5, 4, 6, 7)  # 4 channels: no rank's piece is empty (the kernels reject that)
+            x = distribute_tensor(full, mesh, layout).requires_grad_()
+            with CommDebugMode() as comm:
+                out = F.pad(x, pad, mode=mode)
+            self.assertEqual((comm.get_total_counts(), out.placements), (0, tuple(layout)), mode)
+            torch.testing.assert_close(out.full_tensor(), F.pad(full, pad, mode=mode))
+            (grad,) = grads_without_comms(self, out, [x])
+            self.assertEqual(grad.placements, tuple(layout))
+        # a padded dim is gathered first; the other shards stay
+        x = distribute_tensor(randn(5, 3, 6, 7), mesh, [S0, S3])
+        out = F.pad(x, (1, 1, 0, 0), mode="reflect")
+        self.assertEqual(out.placements[0], S0)
+        self.assertNotIn(S3, out.placements)
+
+    @with_comms
+    def test_pads_pass_partials_through(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(5, 3, 7)
+        for mode, value, partial, kept in [
+            ("reflect", None, SUM, True),
+            ("replicate", None, Partial("max"), True),
+            ("constant", 0.0, SUM, True),
+            ("constant", 0.5, Partial("avg"), True),
+            ("constant", 0.5, SUM, False),  # 0.5 on every rank would add up to 2.0
+        ]:
+            x = make_dtensor(full, mesh, [partial])
+            with CommDebugMode() as comm:
+                out = F.pad(x, (2, 1), mode=mode, value=value)
+            self.assertEqual(out.placements == (partial,), kept, f"{mode} {value} {partial}")
+            self.assertEqual(comm.get_total_counts() == 0, kept)
+            torch.testing.assert_close(out.full_tensor(), F.pad(full, (2, 1), mode=mode, value=value))
+
+    @with_comms
+    def test_conv_with_reflect_padding_on_a_batch_sharded_input_moves_no_data(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        conv = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect", dtype=torch.float64)
+        with torch.no_grad():  # the same weights on every rank thread
+            conv.weight.copy_(randn(4, 3, 3, 3, seed=1))
+            conv.bias.copy_(randn(4, seed=2))
+        x = distribute_tensor(randn(8, 3, 6, 6), mesh, [S0])
+        w, b = (distribute_tensor(t.detach(), mesh, [R]) for t in (conv.weight, conv.bias))
+        with CommDebugMode() as comm:
+            out = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), w, b)
+        self.assertEqual((comm.get_total_counts(), out.placements), (0, (S0,)))
+        torch.testing.assert_close(out.full_tensor(), conv(randn(8, 3, 6, 6)).detach())
+
+
 class EmbeddingTest(DTensorTestBase):
     @with_comms
     def test_embedding_layouts(self) -> None:
