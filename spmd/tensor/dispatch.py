@@ -315,8 +315,8 @@ class Dispatcher:
                 meta_leaves[i] = torch.device("meta")
         meta_args, meta_kwargs = unflatten_call(meta_leaves, shape, kwarg_names)
         try:
-            # an op that returns nothing (fused optimizers) has no output shape to find
-            meta_out = op(*meta_args, **meta_kwargs) if op._schema.returns else ()
+            # an op that returns no tensor (fused optimizers, item()) has no output shape to find
+            meta_out = op(*meta_args, **meta_kwargs) if _returns_tensors(op) else ()
         except Exception as error:
             raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
@@ -334,6 +334,12 @@ class Dispatcher:
 
 
 _UNKNOWN = object()
+
+
+def _returns_tensors(op: Any) -> bool:
+    return any("Tensor" in str(r.type) for r in op._schema.returns)
+
+
 def functional_variant(op: Any) -> tuple[Any, tuple[str, ...]] | None:
     """For an ``out=`` overload (``add.out``), the functional one with the same other arguments."""
     schema = op._schema

@@ -75,6 +75,28 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return _dispatcher().dispatch(func, args, kwargs or {})
 
+    # ----- indexing with Python lists ---------------------------------------------------------------
+    def __getitem__(self, index: Any) -> Any:
+        """``x[[0, 2]]``: torch turns the list into a plain index tensor before dispatch; a list in
+        the program is the same on every rank, so that tensor counts as replicated."""
+        if _has_list(index):
+            from spmd.tensor.dispatch import implicit_replication
+
+            with implicit_replication():
+                return super().__getitem__(index)
+        return super().__getitem__(index)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``x[[0, 2]] = v`` as ``__getitem__``; a plain (not 0-d) tensor ``v`` must still be distributed."""
+        plain_value = isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0
+        if _has_list(index) and not plain_value:
+            from spmd.tensor.dispatch import implicit_replication
+
+            with implicit_replication():
+                super().__setitem__(index, value)
+            return
+        super().__setitem__(index, value)
+
     # ----- metadata ---------------------------------------------------------------------------------
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -173,6 +195,10 @@ class DTensor(torch.Tensor):
         from spmd.tensor import checkpoint_protocol
 
         return checkpoint_protocol.get_tensor_shard(self, index)
+
+
+def _has_list(index: Any) -> bool:
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
 
 
 def _dispatcher() -> Any:

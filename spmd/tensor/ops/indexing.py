@@ -23,6 +23,7 @@ shares the dim is sharded on it the same way:
   where(c, a, b), masked_fill:  pointwise with broadcasting; where: R x P x P -> P (sum only when
                                 both branches are DTensors); masked_fill: P x R -> P (sum only for
                                 a fill value of 0)
+  item (_local_scalar_dense):   R -> a Python number (the element is gathered or reduced first)
 """
 
 from __future__ import annotations
@@ -360,3 +361,10 @@ def masked_fill_rule(call: OpCall) -> Sequence[OpStrategy]:
     partials = _constant_fill_partials(None if isinstance(value, (torch.Tensor, DTensorSpec)) else value)
     rest = (R,) * (len(call.input_specs) - 1)
     return candidates + [OpStrategy((p, *rest), (p,)) for p in partials]
+
+
+# ----- item ------------------------------------------------------------------------------------------
+@register_rule(aten._local_scalar_dense.default)
+def item_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """item(): R -> a Python number; the one element is made whole (gathered or reduced) first."""
+    return [OpStrategy((R,) * len(call.input_specs), ())]

@@ -12,6 +12,7 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
   diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated)
   tril, triu(k):        S(d) -> S(d) for every d, the last two included: the local call shifts the
                         diagonal by the shard's row offset minus its column offset
+  repeat_interleave(counts): R -> R (the int form runs as unsqueeze/expand/reshape, which keep shards)
 expand lives in reductions.py (it is the backward of every reduction).
 """
 
@@ -151,3 +152,13 @@ def triangle_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) for every dim (the diagonal moves with the shard's offset); R -> R; P -> P."""
     ndim = call.input_specs[0].ndim
     return _keep_dims(ndim, {d: d for d in range(ndim)})
+
+
+@register_rule(aten.repeat_interleave.Tensor)
+def repeat_interleave_counts_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """repeat_interleave(counts) -> positions: R -> R (each position depends on every count before it).
+
+    ``x.repeat_interleave(n, dim)`` with an int ``n`` runs as unsqueeze -> expand -> reshape, which keep
+    their shards; with a tensor of counts it is ``index_select(x, dim, repeat_interleave(counts))``.
+    """
+    return [OpStrategy((R,), (R,))]

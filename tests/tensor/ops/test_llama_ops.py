@@ -7,9 +7,12 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import ones as spmd_ones
 from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.dispatch import DISPATCHER, implicit_replication
 from spmd.tensor.placement import Placement
 from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
@@ -338,3 +341,150 @@ class RepeatInterleaveTest(DTensorTestBase):
                   collectives=0)
             check(lambda kv: kv[:, :, :, None, :].expand(4, 3, 4, 2, 8).reshape(4, 3, 8, 8), mesh,
                   [randn(4, 3, 4, 8)], [layout], collectives=0)
+
+
+class RulesOnlyTest(DTensorTestBase):
+    """Ops that used to reach the replicate fallback (or raise) now run on their rules alone."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._fallback = DISPATCHER.fallback
+        DISPATCHER.fallback = False
+
+    def tearDown(self) -> None:
+        DISPATCHER.fallback = self._fallback
+        super().tearDown()
+
+    @with_comms
+    def test_repeat_interleave_with_a_tensor_of_counts(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(8, 3, 4)
+        counts = distribute_tensor(torch.tensor([1, 2, 3]), mesh, [R])
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            out = torch.repeat_interleave(x, counts, dim=1, output_size=6)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(out.placements, (Shard(0),))
+        torch.testing.assert_close(out.full_tensor(), torch.repeat_interleave(full, torch.tensor([1, 2, 3]), dim=1))
+        with implicit_replication():  # a plain tensor of counts, the same on every rank
+            out = torch.repeat_interleave(x, torch.tensor([1, 2, 3]), dim=1)
+        torch.testing.assert_close(out.full_tensor(), torch.repeat_interleave(full, torch.tensor([1, 2, 3]), dim=1))
+
+    @with_comms
+    def test_item_and_narrow_with_a_tensor_start(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        self.assertEqual(distribute_tensor(torch.tensor(2.5), mesh, [R, R]).item(), 2.5)
+        self.assertEqual(make_dtensor(torch.tensor([3.0]), mesh, [Partial("sum"), Shard(0)]).item(), 3.0)
+        start = distribute_tensor(torch.tensor(2), mesh, [R, R])
+        full = randn(5, 6, 7)
+        for layout in [(Shard(0), R), (Shard(2), Shard(0)), (R, Shard(1))]:
+            check(lambda x: x.narrow(1, start, 3), mesh, [full], [layout])
+            check(lambda x: x.narrow(1, torch.tensor(2), 3), mesh, [full], [layout])
+
+    @with_comms
+    def test_list_indexing_treats_the_list_as_replicated(self) -> None:
+        full = randn(5, 6, 4)
+        cases = [
+            lambda x: x[[0, 2]],
+            lambda x: x[:, [0, 2, 5]],
+            lambda x: x[:, [0, 2], 1:],
+            lambda x: x[([[0, 1], [4, 2]],)],  # a 2-d index
+            lambda x: x[[0, 2], :, [1, 3]],  # two index lists, not adjacent
+        ]
+
+        def one(mesh_shape) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for fn in cases:
+                for layout in layouts_for(mesh.ndim, 3):
+                    check(fn, mesh, [full], [layout])
+
+        self.run_subtests({"mesh_shape": MESHES}, one)
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            kept = x[:, [0, 2, 5]]
+        self.assertEqual((comm.get_total_counts(), kept.placements), (0, (Shard(0),)))  # dim 0 not indexed
+        with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor"):
+            x[torch.tensor([0, 2])]  # a plain tensor may differ between ranks: distribute it
+
+    @with_comms
+    def test_list_index_assignment_writes_into_the_shards(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = randn(5, 6)
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        expected = full.clone()
+        values = distribute_tensor(randn(5, 2, seed=1), mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            x[:, [0, 2]] = 7.0
+            x[:, [1, 3]] = values
+        expected[:, [0, 2]] = 7.0
+        expected[:, [1, 3]] = randn(5, 2, seed=1)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(x.placements, (Shard(0),))
+        torch.testing.assert_close(x.full_tensor(), expected)
+        with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor"):
+            x[:, [0, 2]] = torch.ones(5, 2)
+
+    @with_comms
+    def test_index_put_keeps_self_sharded_on_dims_not_indexed(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, values_full = randn(8, 6), randn(8, 3, seed=2)
+        columns = torch.tensor([0, 3, 5])
+        aten = torch.ops.aten
+        for accumulate in (False, True):
+            x = distribute_tensor(full, mesh, [Shard(0)])
+            values = distribute_tensor(values_full, mesh, [Shard(0)])
+            index = distribute_tensor(columns, mesh, [R])
+            with CommDebugMode() as comm:  # x[:, columns] = values (or +=, accumulating)
+                aten.index_put_(x, [None, index], values, accumulate)
+            self.assertEqual(comm.get_total_counts(), 0)
+            self.assertEqual(x.placements, (Shard(0),))
+            expected = aten.index_put(full, [None, columns], values_full, accumulate)
+            torch.testing.assert_close(x.full_tensor(), expected)
+
+            def put(t: torch.Tensor, v: torch.Tensor, accumulate: bool = accumulate, index: DTensor = index) -> torch.Tensor:
+                return aten.index_put(t, [None, index if isinstance(t, DTensor) else columns], v, accumulate)
+
+            check(put, mesh, [full, values_full], [(Shard(0),), (Shard(0),)], collectives=0)
+
+
+class CausalMaskTest(DTensorTestBase):
+    @with_comms
+    def test_causal_attention_masks_keep_head_and_batch_shards(self) -> None:
+        b, h, seq, d = 4, 4, 6, 8
+        fulls = [randn(b, h, seq, d, seed=i) for i in range(3)]
+        expected_out = F.scaled_dot_product_attention(*fulls, is_causal=True)
+
+        bool_mask_full = torch.ones(seq, seq, dtype=torch.bool).tril()
+        float_mask_full = torch.full((seq, seq), float("-inf")).triu(1)
+
+        def explicit(q, k, v, bool_mask, float_mask):  # masked_fill broadcasts the [seq, seq] mask
+            scores = torch.einsum("bhld,bhmd->bhlm", q, k) / d**0.5
+            scores = scores.masked_fill(~bool_mask, float("-inf"))
+            return torch.einsum("bhlm,bhmd->bhld", torch.softmax(scores, -1), v)
+
+        variants = [
+            lambda q, k, v, bool_mask, float_mask: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            lambda q, k, v, bool_mask, float_mask: F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask),
+            lambda q, k, v, bool_mask, float_mask: F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask),
+        ]
+
+        def one(placement) -> None:
+            mesh = init_device_mesh("cpu", (4,))
+            bool_mask = torch.tril(spmd_ones(seq, seq, device_mesh=mesh, placements=[R], dtype=torch.bool))
+            float_mask = distribute_tensor(float_mask_full, mesh, [R])
+            # heads sharded: the einsum's (b, h) flatten cannot keep an inner shard, so only batch here
+            for fn in variants + ([explicit] if placement == Shard(0) else []):
+                qkv = [leaf(f, mesh, [placement]) for f in fulls]
+                refs = [f.clone().requires_grad_() for f in fulls]
+                with CommDebugMode() as comm:
+                    out = fn(*qkv, bool_mask, float_mask)
+                    out.to_local().sum().backward()
+                self.assertEqual(comm.get_total_counts(), 0, comm.get_comm_counts())
+                self.assertEqual(out.placements, (placement,))
+                torch.testing.assert_close(out.full_tensor(), expected_out)
+                fn(*refs, bool_mask_full, float_mask_full).sum().backward()
+                for x, ref in zip(qkv, refs):
+                    torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
+
+        self.run_subtests({"placement": [Shard(0), Shard(1)]}, one)
