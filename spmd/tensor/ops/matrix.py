@@ -12,6 +12,12 @@ Products are written as einsum signatures; each index letter gives one candidate
        evenly);  q S(L), k, v R -> S(L) without a causal mask;  v P -> out P;  each shard only
        where no rank's piece would be empty;  backward: the same, dk and dv P(sum) for q S(L)
   t / transpose(a, b):  S(a) -> S(b), S(b) -> S(a), other placements unchanged
+  linalg (det, slogdet, inv, solve, lu_factor, lu_solve, svd, eigh, cholesky, qr), A (*, m, n):
+       S(b) for a batch dim b on every operand -> S(b) on every output (pivots, info and singular
+       values keep the leading batch dims too); the two matrix dims must be whole; solve and lu_solve
+       are linear in B: A R, B P -> result P; the error check gathers the small info tensor so
+       every rank raises together.  Matrix norms reach us as vector norms (frobenius: both
+       dims, which the vector norm rule keeps sharded), sums and amax (ord 1, inf) or svd (nuc, 2).
 """
 
 from __future__ import annotations
@@ -234,3 +240,106 @@ def transpose_rule(call: OpCall) -> Sequence[OpStrategy]:
     a = normalize_dim(call.arg(1, "dim0"), ndim)
     b = normalize_dim(call.arg(2, "dim1"), ndim)
     return _transpose_candidates(ndim, a, b)
+
+
+# ----- linalg: batch dims shard, matrix dims stay whole ---------------------------------------------
+def batch_candidates(call: OpCall, batch_ndim: int, operands_batched: bool = True) -> list[OpStrategy]:
+    """R... -> R...; S(b) on every operand -> S(b) on every output, for each batch dim b of equal size.
+
+    ``operands_batched`` False means some operand does not carry the batch dims (a broadcast
+    right-hand side), so only R is offered.
+    """
+    specs = call.input_specs
+    n_out = len(call.output_metas)
+    candidates = [OpStrategy((R,) * len(specs), (R,) * n_out)]
+    if not operands_batched:
+        return candidates
+    candidates += [
+        OpStrategy((Shard(b),) * len(specs), (Shard(b),) * n_out)
+        for b in range(batch_ndim)
+        if len({s.shape[b] for s in specs}) == 1
+    ]
+    return candidates
+
+
+@register_rule(
+    aten._linalg_det.default,
+    aten._linalg_slogdet.default,
+    aten.linalg_inv_ex.default,
+    aten.linalg_lu_factor_ex.default,
+    aten._linalg_svd.default,
+    aten._linalg_eigh.default,
+    aten.linalg_cholesky_ex.default,
+    aten.linalg_qr.default,
+    aten.lu_unpack.default,
+)
+def matrix_function_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """f(A (*, m, n)): S(b) -> S(b) on every output for a batch dim b; the matrix dims must be whole."""
+    return batch_candidates(call, call.input_specs[0].ndim - 2)
+
+
+def _rhs_batch_ndim(a: DTensorSpec, b: DTensorSpec) -> int:
+    """How many leading batch dims B of ``solve(A, B)`` has (torch reads B as a vector when it has
+    A's shape without the last dim, or is 1-d)."""
+    is_vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))
+    return b.ndim - (1 if is_vector else 2)
+
+
+@register_rule(aten._linalg_solve_ex.default)
+def solve_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """solve(A, B) -> (X, LU, pivots, info): S(b) x S(b) -> S(b) for equal batch dims; R x P -> P, R, R, R."""
+    a = call.input_specs[0]
+    batch_ndim = a.ndim - 2
+    candidates = batch_candidates(call, batch_ndim, len(call.input_specs) == 2 and _rhs_batch_ndim(a, call.input_specs[1]) == batch_ndim)
+    n_out = len(call.output_metas)
+    candidates += [OpStrategy((R, p), (p,) + (R,) * (n_out - 1)) for p in LINEAR_PARTIALS]
+    return candidates
+
+
+@register_rule(aten.linalg_lu_solve.default, aten.linalg_solve_triangular.default)
+def lu_solve_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """lu_solve(LU, pivots, B), solve_triangular(A, B): S(b) on all -> S(b) for equal batch dims; R.. x P -> P."""
+    a, b = call.input_specs[0], call.input_specs[-1]
+    candidates = batch_candidates(call, a.ndim - 2, b.ndim == a.ndim)
+    factors = (R,) * (len(call.input_specs) - 1)
+    return candidates + [OpStrategy((*factors, p), (p,)) for p in LINEAR_PARTIALS]
+
+
+@register_rule(aten.linalg_pinv.atol_rtol_tensor)
+def pinv_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """pinv(A): S(b) -> S(b) for a batch dim b; tensor tolerances (which broadcast) keep it whole."""
+    return batch_candidates(call, call.input_specs[0].ndim - 2, len(call.input_specs) == 1)
+
+
+def _diagonal_batch_dims(matrix_ndim: int, dim1: int, dim2: int) -> list[int]:
+    """The dims of a matrix-shaped tensor other than the two that hold the diagonal, in order; the
+    diagonal's own tensor has them as its leading dims, the diagonal itself last."""
+    planes = {normalize_dim(dim1, matrix_ndim), normalize_dim(dim2, matrix_ndim)}
+    return [d for d in range(matrix_ndim) if d not in planes]
+
+
+@register_rule(aten.diag_embed.default)
+def diag_embed_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """diag_embed(x (*, n)): S(i) -> S(the output dim of batch dim i); the last dim whole; P -> P (zeros off it)."""
+    x = call.input_specs[0]
+    out_dims = _diagonal_batch_dims(x.ndim + 1, int(call.arg(2, "dim1", -2)), int(call.arg(3, "dim2", -1)))
+    candidates = [OpStrategy((R,), (R,))]
+    candidates += [OpStrategy((Shard(i),), (Shard(out_dims[i]),)) for i in range(x.ndim - 1)]
+    return candidates + [OpStrategy((p,), (p,)) for p in PARTIALS]
+
+
+@register_rule(aten.diagonal_scatter.default)
+def diagonal_scatter_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """diagonal_scatter(x, src): S(d) x S(i) -> S(d) for the i-th dim d off the diagonal plane; P x P -> P."""
+    x = call.input_specs[0]
+    batch = _diagonal_batch_dims(x.ndim, int(call.arg(3, "dim1", 0)), int(call.arg(4, "dim2", 1)))
+    candidates = [OpStrategy((R, R), (R,))]
+    candidates += [OpStrategy((Shard(d), Shard(i)), (Shard(d),)) for i, d in enumerate(batch)]
+    return candidates + [OpStrategy((p, p), (p,)) for p in LINEAR_PARTIALS]
+
+
+@register_rule(aten._linalg_check_errors.default)
+def check_errors_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """check_errors(info): R -> nothing. The (small) info is gathered so that every rank raises for a
+    singular matrix, not only the rank holding it, which would leave the others waiting in a collective."""
+    return [OpStrategy((R,), ())]

@@ -312,6 +312,117 @@ class AttentionTest(DTensorTestBase):
         self.assertEqual([g.placements for g in grads], [(S2,), (SUM,), (SUM,)])
 
 
+def well_conditioned(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Batches of square matrices far from singular: noise plus 4 on the diagonal."""
+    return randn(*shape, seed=seed) + 4 * torch.eye(shape[-1], dtype=torch.float64)
+
+
+def positive_definite(*shape: int, seed: int = 0) -> torch.Tensor:
+    a = randn(*shape, seed=seed)
+    return a @ a.mT + shape[-1] * torch.eye(shape[-1], dtype=torch.float64)
+
+
+def symmetric_part(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """eigh and cholesky read one triangle; symmetrising first makes the gradient torch's in both."""
+    return lambda a: fn((a + a.mT) / 2)
+
+
+LINALG = {
+    "det": (torch.linalg.det, [well_conditioned]),
+    "slogdet": (lambda a: torch.linalg.slogdet(a).logabsdet, [well_conditioned]),
+    "logdet": (torch.logdet, [positive_definite]),
+    "inv": (torch.linalg.inv, [well_conditioned]),
+    "solve(matrix)": (torch.linalg.solve, [well_conditioned, lambda *s, seed: randn(*s[:-1], 2, seed=seed)]),
+    "solve(vector)": (torch.linalg.solve, [well_conditioned, lambda *s, seed: randn(*s[:-1], seed=seed)]),
+    "lu_factor + lu_solve": (
+        lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b),
+        [well_conditioned, lambda *s, seed: randn(*s[:-1], 3, seed=seed)],
+    ),
+    "solve_triangular": (
+        lambda a, b: torch.linalg.solve_triangular(a.triu(), b, upper=True),
+        [well_conditioned, lambda *s, seed: randn(*s, seed=seed)],
+    ),
+    "svdvals": (torch.linalg.svdvals, [randn]),
+    "eigvalsh": (symmetric_part(torch.linalg.eigvalsh), [positive_definite]),
+    "cholesky": (symmetric_part(torch.linalg.cholesky), [positive_definite]),
+    "qr.R": (lambda a: torch.linalg.qr(a).R.abs(), [well_conditioned]),
+    "pinv": (torch.linalg.pinv, [well_conditioned]),
+    "matrix_norm(fro)": (torch.linalg.matrix_norm, [randn]),
+    "matrix_norm(nuc)": (lambda a: torch.linalg.matrix_norm(a, "nuc"), [randn]),
+    "matrix_norm(2)": (lambda a: torch.linalg.matrix_norm(a, 2), [randn]),
+    "matrix_norm(1)": (lambda a: torch.linalg.matrix_norm(a, 1), [randn]),
+    "matrix_norm(-inf)": (lambda a: torch.linalg.matrix_norm(a, -torch.inf), [randn]),
+    "linalg.norm": (torch.linalg.norm, [randn]),
+}
+
+
+class LinalgTest(DTensorTestBase):
+    def check(self, mesh: Any, name: str, shape: tuple[int, ...], layout: Sequence[Any]) -> None:
+        """Every operand laid out as ``layout``; a vector right-hand side (one dim fewer) is R off its batch dims."""
+        fn, makers = LINALG[name]
+        fulls = [make(*shape, seed=i) for i, make in enumerate(makers)]
+        layouts = [
+            layout if f.ndim == len(shape) else [R if isinstance(p, Shard) and p.dim >= f.ndim - 1 else p for p in layout]
+            for f in fulls
+        ]
+        check_against_torch(fn, fulls, mesh, layouts)
+
+    @with_comms
+    def test_every_linalg_op_on_every_layout(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        self.run_subtests(
+            {"name": list(LINALG), "layout": [[R], [S0], [S1], [S2]]}, self.check, mesh, shape=(5, 3, 3)
+        )  # 5 matrices over 4 ranks: 2, 2, 1, 0 (an empty batch piece)
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        self.run_subtests(
+            {"name": list(LINALG), "layout": [[S0, S1], [S1, S0], [S0, S3]]}, self.check, mesh2, shape=(2, 3, 4, 4)
+        )
+
+    @with_comms
+    def test_batch_sharded_linalg_keeps_the_batch_shards(self) -> None:
+        """Matrices whole on each rank: nothing moves but the tiny error-check info of inv and solve."""
+        mesh = init_device_mesh("cpu", (2, 2))
+        a_full, b_full = well_conditioned(4, 2, 3, 3), randn(4, 2, 3, 2, seed=1)
+        for fn, expected_comms in [
+            (lambda a, b: torch.linalg.det(a), {}),
+            (lambda a, b: torch.linalg.slogdet(a).logabsdet, {}),
+            (lambda a, b: torch.linalg.svdvals(a), {}),
+            (lambda a, b: torch.linalg.matrix_norm(a, "nuc"), {}),
+            (lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), {"all_gather": 2}),
+            (lambda a, b: torch.linalg.inv(a), {"all_gather": 2}),
+            (lambda a, b: torch.linalg.solve(a, b), {"all_gather": 2}),
+        ]:
+            a, b = distribute_tensor(a_full, mesh, [S0, S1]), distribute_tensor(b_full, mesh, [S0, S1])
+            with CommDebugMode() as comm:
+                out = fn(a, b)
+            self.assertEqual(out.placements, (S0, S1))
+            self.assertEqual({str(k): v for k, v in comm.get_comm_counts().items()}, expected_comms)
+            torch.testing.assert_close(out.full_tensor(), fn(a_full, b_full))
+        # a sharded matrix dim is gathered first; the batch shard stays
+        out = torch.linalg.det(distribute_tensor(a_full, mesh, [S0, S2]))
+        self.assertEqual(out.placements[0], S0)
+        torch.testing.assert_close(out.full_tensor(), torch.linalg.det(a_full))
+
+    @with_comms
+    def test_a_singular_matrix_on_one_rank_raises_on_every_rank(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a_full = well_conditioned(4, 3, 3)
+        a_full[3] = 0.0  # only the last rank holds it
+        a = distribute_tensor(a_full, mesh, [S0])
+        with self.assertRaisesRegex(RuntimeError, "singular"):
+            torch.linalg.inv(a)
+
+    @with_comms
+    def test_solve_is_linear_in_a_pending_right_hand_side(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a_full, b_full = well_conditioned(3, 3), randn(3, 2, seed=1)
+        a, b = distribute_tensor(a_full, mesh, [R]), make_dtensor(b_full, mesh, [SUM])
+        with CommDebugMode() as comm:
+            x = aten._linalg_solve_ex.default(a, b)[0]
+        self.assertEqual((comm.get_total_counts(), x.placements), (0, (SUM,)))
+        torch.testing.assert_close(x.full_tensor(), torch.linalg.solve(a_full, b_full))
+
+
 class ThreeDimMeshTest(DTensorTestBase):
     @property
     def world_size(self) -> int:
