@@ -38,7 +38,7 @@ def local_complex_view(
     return args, kwargs
 
 
-@register_rule(aten.view_as_complex.default, local_args=local_complex_view)
+@register_rule(aten.view_as_complex.default, aten.view_as_complex_copy.default, local_args=local_complex_view)
 def view_as_complex_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) for every dim but the last (the (re, im) pair); R -> R; P(sum|avg) -> P."""
     ndim = call.input_specs[0].ndim
@@ -47,7 +47,7 @@ def view_as_complex_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates + [OpStrategy((p,), (p,)) for p in LINEAR_PARTIALS]
 
 
-@register_rule(aten.view_as_real.default)
+@register_rule(aten.view_as_real.default, aten.view_as_real_copy.default)
 def view_as_real_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d); R -> R; P(sum|avg) -> P: the new last dim is whole on every rank."""
     return identity_candidates(call.input_specs[0].ndim, partials=LINEAR_PARTIALS)

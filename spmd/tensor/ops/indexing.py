@@ -5,7 +5,8 @@ index_put, scatter_add).
 Index tensors carry positions, so they are never partial. A dim that is looked up by position
 must be whole on the rank (replicated); the other dims keep their shards when every tensor that
 shares the dim is sharded on it the same way:
-  slice(dim), select(dim):      S(d) -> S(d') for d != dim (select drops dim: d' = d - (d > dim));
+  slice(dim), select(dim),
+  narrow_copy(dim):             S(d) -> S(d') for d != dim (select drops dim: d' = d - (d > dim));
                                 a full slice (step 1, nothing cut) keeps S(dim); P -> P
   slice_backward, select_backward: the same, read from the gradient's side; P -> P (zero padding)
   index_select(dim, i):         S(d) x R -> S(d) for d != dim;  R x S(0) -> S(dim);  P x R -> P
@@ -67,6 +68,16 @@ def slice_rule(call: OpCall) -> Sequence[OpStrategy]:
         keep.append(dim)
     candidates = [OpStrategy((R,), (R,))]
     candidates += [OpStrategy((Shard(d),), (Shard(d),)) for d in keep]
+    return candidates + [OpStrategy((p,), (p,)) for p in PARTIALS]
+
+
+@register_rule(aten.narrow_copy.default)
+def narrow_copy_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d != dim (start and length are global, so dim itself is whole); R -> R; P -> P."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(call.arg(1, "dim"), ndim)
+    candidates = [OpStrategy((R,), (R,))]
+    candidates += [OpStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d != dim]
     return candidates + [OpStrategy((p,), (p,)) for p in PARTIALS]
 
 

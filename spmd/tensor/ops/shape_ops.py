@@ -9,7 +9,8 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
   stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
   flip, roll(dims):     S(d) -> S(d) for d not flipped / rolled (roll without dims replicates all)
   repeat(r):            S(d) -> S(d + new leading dims) where r[d] == 1
-  diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated)
+  diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated);
+                        diagonal_backward the other way round (its zero fill keeps partials)
   tril, triu(k):        S(d) -> S(d) for every d, the last two included: the local call shifts the
                         diagonal by the shard's row offset minus its column offset
   repeat_interleave(counts): R -> R (the int form runs as unsqueeze/expand/reshape, which keep shards)
@@ -25,6 +26,7 @@ import torch
 
 from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.ops.views import local_view_size
 from spmd.tensor.placement import Placement, Shard
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
@@ -44,7 +46,7 @@ def _dims_list(value: Any, ndim: int) -> list[int]:
     return [normalize_dim(int(d), ndim) for d in items]
 
 
-@register_rule(aten.permute.default)
+@register_rule(aten.permute.default, aten.permute_copy.default)
 def permute_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(p[o]) -> S(o); R -> R; P -> P."""
     ndim = call.input_specs[0].ndim
@@ -53,7 +55,7 @@ def permute_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
-               aten.unsafe_split_with_sizes.default)
+               aten.unsafe_split_with_sizes.default, aten.split_copy.Tensor, aten.split_with_sizes_copy.default)
 def split_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) on every piece for d != dim; the split dim is replicated first; P -> P."""
     ndim = call.input_specs[0].ndim
@@ -61,7 +63,7 @@ def split_rule(call: OpCall) -> Sequence[OpStrategy]:
     return _keep_dims(ndim, {d: d for d in range(ndim) if d != dim}, len(call.output_metas))
 
 
-@register_rule(aten.unbind.int)
+@register_rule(aten.unbind.int, aten.unbind_copy.int)
 def unbind_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) for d < dim, S(d - 1) for d > dim; dim is replicated first; P -> P."""
     ndim = call.input_specs[0].ndim
@@ -100,13 +102,22 @@ def stack_rule(call: OpCall) -> Sequence[OpStrategy]:
     return _joined(call.input_specs, ndim, {d: d if d < dim else d + 1 for d in range(ndim)})
 
 
-@register_rule(aten.diagonal.default)
+@register_rule(aten.diagonal.default, aten.diagonal_copy.default)
 def diagonal_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d') for d not one of the two diagonal dims (d' counts the dims left); P -> P."""
     ndim = call.input_specs[0].ndim
     pair = {normalize_dim(call.arg(2, "dim1", 0), ndim), normalize_dim(call.arg(3, "dim2", 1), ndim)}
     kept = [d for d in range(ndim) if d not in pair]
     return _keep_dims(ndim, {d: i for i, d in enumerate(kept)})
+
+
+@register_rule(aten.diagonal_backward.default, local_args=local_view_size)
+def diagonal_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(i) -> S(kept[i]) for the grad's dims before its last (the diagonal, replicated); P -> P (zero fill)."""
+    ndim = len(call.arg(1, "input_sizes"))
+    pair = {normalize_dim(call.arg(3, "dim1"), ndim), normalize_dim(call.arg(4, "dim2"), ndim)}
+    kept = [d for d in range(ndim) if d not in pair]
+    return _keep_dims(ndim - 1, dict(enumerate(kept)))
 
 
 @register_rule(aten.flip.default)

@@ -97,7 +97,8 @@ def local_view_args(
     return args, kwargs
 
 
-@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, local_args=local_view_args)
+@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
+               local_args=local_view_args)
 def view_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(o) for a dim that survives, or leads a flatten/unflatten group evenly; R -> R; P -> P."""
     spec = call.input_specs[0]
@@ -110,7 +111,7 @@ def view_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates
 
 
-@register_rule(aten.unsqueeze.default, aten.unsqueeze_.default)
+@register_rule(aten.unsqueeze.default, aten.unsqueeze_.default, aten.unsqueeze_copy.default)
 def unsqueeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d) before the new dim, S(d + 1) from it on; R -> R; P -> P."""
     ndim = call.input_specs[0].ndim
@@ -127,13 +128,13 @@ def never_one_long(size: int, mesh_size: int) -> bool:
 
 
 @register_rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_.default, aten.squeeze_.dim,
-               aten.squeeze_.dims)
+               aten.squeeze_.dims, aten.squeeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims)
 def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d less removed dims before it); a named dim of size > 1 keeps S only if no piece is 1 long."""
     spec = call.input_specs[0]
     shape = spec.shape
     dims_arg = call.arg(1, "dim", None)
-    if call.op in (aten.squeeze.default, aten.squeeze_.default):
+    if call.op in (aten.squeeze.default, aten.squeeze_.default, aten.squeeze_copy.default):
         named = set(range(len(shape)))
     elif isinstance(dims_arg, (list, tuple)):
         named = {normalize_dim(int(d), len(shape)) for d in dims_arg}
@@ -150,7 +151,7 @@ def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates
 
 
-@register_rule(aten.view.dtype)
+@register_rule(aten.view.dtype, aten.view_copy.dtype)
 def view_dtype_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d); a last dim whose size changes (other itemsize) stays S only if both sizes divide
     by the mesh size; R -> R; partials are reduced first (reinterpreted bits do not add)."""

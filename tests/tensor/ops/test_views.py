@@ -205,6 +205,34 @@ class ShapeOpsTest(DTensorTestBase):
         ])
 
     @with_comms
+    def test_copy_variants_follow_their_views(self) -> None:
+        self.sweep([
+            ([(4, 6)], lambda x: torch.view_copy(x, (2, 2, 6))),
+            ([(5, 1, 6)], lambda x: torch.squeeze_copy(x, 1)),
+            ([(5, 6)], lambda x: torch.unsqueeze_copy(x, 1)),
+            ([(5, 6, 2)], lambda x: torch.permute_copy(x, (2, 0, 1))),
+            ([(7, 6)], lambda x: torch.split_with_sizes_copy(x, [2, 4], 1)),
+            ([(7, 3)], lambda x: torch.unbind_copy(x, 1)),
+            ([(7, 6)], lambda x: torch.narrow_copy(x, 1, 2, 3)),
+            ([(7, 6)], lambda x: torch.narrow_copy(x, 1, 0, 6)),
+        ])
+
+    @with_comms
+    def test_diagonal_and_its_backward(self) -> None:
+        self.sweep([
+            ([(5, 6, 4)], lambda x: x.diagonal()),
+            ([(5, 6, 4)], lambda x: torch.diagonal_copy(x, 1, 0, 2)),
+            ([(5, 6, 4)], lambda x: x.diagonal(-1, 2, 1)),
+        ])
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(5, 6, 8), mesh, [Shard(2)]).requires_grad_()
+        with CommDebugMode() as comm:
+            out = x.diagonal(0, 0, 1)  # [8, 5]: the kept dim 2 leads and keeps its shard
+            out.to_local().sum().backward()
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual((out.placements, x.grad.placements), ((Shard(0),), (Shard(2),)))
+
+    @with_comms
     def test_cat_and_stack(self) -> None:
         self.sweep([
             ([(5, 3), (5, 3)], lambda x, y: torch.cat([x, y], 0)),
