@@ -44,14 +44,8 @@ _IN_PLACE_VIEW = (
 XFAIL: dict[str, str] = {
     # Ops of the slice that do not pass on the rules alone, one line each: why.
     "__getitem__": _LIST_INDEX,
-    "__rsub__": "no rule for aten.rsub.Tensor",
-    "count_nonzero": "no rule for aten.count_nonzero.default",
-    "fill": "no rule for aten.fill.Scalar",
     "matmul": _IN_PLACE_VIEW,
     "narrow": "a tensor `start` is read with .item(), which cannot run on the meta device",
-    "nn.functional.mse_loss": "no rule for aten.mse_loss.default",
-    "sort": "no rule for aten.sort.default",
-    "topk": "no rule for aten.topk.default",
 }
 
 XFAIL_FALLBACK: dict[str, str] = {
