@@ -4,6 +4,8 @@ Algebra (per mesh dim, broadcasting aligned from the right):
   unary f:    S(d) -> S(d); R -> R; P must be reduced first (relu, exp, ...)
   neg, x*c:   additionally P(sum|avg) -> P
   add, sub, rsub:  S(d) x S(d) -> S(d); P x P -> P (sum with a scalar operand only for avg)
+  log_sigmoid_forward -> (out, buffer), log_sigmoid_backward (grad, x, buffer): pointwise (the backward
+              linear in grad); a buffer that is not x-shaped (CUDA leaves it empty) is R
   fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> same P (every rank holds v); v a DTensor must be R
   mul:        P x R -> P; R x P -> P
   div:        P x R -> P
@@ -93,6 +95,24 @@ def linear_in_first_rule(call: OpCall) -> Sequence[OpStrategy]:
 def neg_rule(call: OpCall) -> Sequence[OpStrategy]:
     """-(P) -> P."""
     return pointwise_candidates(call, linearity="unary")
+
+
+@register_rule(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """log_sigmoid_forward(x) -> (out, buffer): S(d) -> S(d), S(d) (buffer R when it is not x-shaped)."""
+    buffer = call.output_metas[1]
+    x_shaped = buffer is not None and tuple(buffer.shape) == tuple(call.input_specs[0].shape)
+    return [OpStrategy(c.inputs, (c.outputs[0], c.outputs[0] if x_shaped else R)) for c in pointwise_candidates(call)]
+
+
+@register_rule(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """(grad, x, buffer): S(d) x S(d) x S(d) -> S(d); P x R x R -> P (buffer R when it is not x-shaped)."""
+    x, buffer = call.input_specs[1:]
+    candidates = pointwise_candidates(call, linearity="multiplicative")
+    if tuple(buffer.shape) == tuple(x.shape):
+        return candidates
+    return [OpStrategy((c.inputs[0], c.inputs[1], R), c.outputs) for c in candidates]
 
 
 @register_rule(*_packets(["fill"]))

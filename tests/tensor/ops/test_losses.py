@@ -80,6 +80,7 @@ LOSSES = [
     Loss("bce_with_logits(weight, pos_weight)",
          lambda x, t, w, pw, reduction: F.binary_cross_entropy_with_logits(x, t, w, pos_weight=pw, reduction=reduction),
          logits_with_pos_weight),
+    Loss("multilabel_soft_margin (log_sigmoid)", F.multilabel_soft_margin_loss, probabilities, target_grad=False),
     Loss("kl_div(log_target)", lambda x, t, reduction: F.kl_div(x, t, reduction=reduction, log_target=True),
          log_probabilities),
 ]
@@ -196,3 +197,20 @@ class LossTest(DTensorTestBase):
             got = aten.mse_loss_backward.default(grad, x, t, 0)
         self.assertEqual((comm.get_total_counts(), got.placements), (0, (SUM, R)))
         torch.testing.assert_close(got.full_tensor(), aten.mse_loss_backward.default(grad_full, x_full, t_full, 0))
+
+    @with_comms
+    def test_log_sigmoid_keeps_shards_forward_and_backward(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        full = randn(*UNEVEN)
+        x = distribute_tensor(full, mesh, [S0, S1]).requires_grad_()
+        with CommDebugMode() as comm:
+            out = F.logsigmoid(x)
+        self.assertEqual((comm.get_total_counts(), out.placements), (0, (S0, S1)))
+        grad = distribute_tensor(randn(*UNEVEN, seed=5), mesh, [S0, S1])
+        with CommDebugMode() as comm:
+            (got,) = torch.autograd.grad(out, [x], grad)
+        self.assertEqual((comm.get_total_counts(), got.placements), (0, (S0, S1)))
+        reference = full.clone().requires_grad_()
+        F.logsigmoid(reference).backward(randn(*UNEVEN, seed=5))
+        torch.testing.assert_close(out.full_tensor(), F.logsigmoid(full))
+        torch.testing.assert_close(got.full_tensor(), reference.grad)
