@@ -226,14 +226,14 @@ def _transpose_candidates(ndim: int, a: int, b: int) -> list[OpStrategy]:
     return [OpStrategy((p,), (_swap(p, a, b),)) for p in options]
 
 
-@register_rule(aten.t.default, aten.t_.default)
+@register_rule(aten.t.default, aten.t_.default, aten.t_copy.default)
 def t_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(0) <-> S(1); R and P unchanged (1-d tensors are returned as they are)."""
     ndim = call.input_specs[0].ndim
     return _transpose_candidates(ndim, 0, 1) if ndim == 2 else _transpose_candidates(ndim, 0, 0)
 
 
-@register_rule(aten.transpose.int, aten.transpose_.default)
+@register_rule(aten.transpose.int, aten.transpose_.default, aten.transpose_copy.int)
 def transpose_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(dim0) <-> S(dim1); other placements unchanged."""
     ndim = call.input_specs[0].ndim

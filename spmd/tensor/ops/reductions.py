@@ -291,7 +291,7 @@ def vector_norm_rule(call: OpCall) -> Sequence[OpStrategy]:
     return reduction_candidates(ndim, dims, keepdim, partial, partial_dims=allowed)
 
 
-@register_rule(aten.expand.default, local_args=local_view_size)
+@register_rule(aten.expand.default, aten.expand_copy.default, local_args=local_view_size)
 def expand_rule(call: OpCall) -> Sequence[OpStrategy]:
     """expand: S(d) -> S(d + new leading dims) where d keeps its size; a broadcast dim must be R; P -> P."""
     return pointwise_candidates(call) + [OpStrategy((p,), (p,)) for p in PARTIALS]

@@ -7,6 +7,8 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
   unbind(dim):          S(d) -> S(d) before dim, S(d - 1) after it; dim itself is replicated
   cat(dim):             S(d) x ... x S(d) -> S(d) for d != dim;  P x ... x P -> P
   stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
+  unfold(dim, size, step): S(d) -> S(d) for d != dim (the window dim is new and whole); the
+                        backward likewise (its input_sizes are made local)
   flip, roll(dims):     S(d) -> S(d) for d not flipped / rolled (roll without dims replicates all)
   repeat(r):            S(d) -> S(d + new leading dims) where r[d] == 1
   diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated);
@@ -118,6 +120,22 @@ def diagonal_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     pair = {normalize_dim(call.arg(3, "dim1"), ndim), normalize_dim(call.arg(4, "dim2"), ndim)}
     kept = [d for d in range(ndim) if d not in pair]
     return _keep_dims(ndim - 1, dict(enumerate(kept)))
+
+
+@register_rule(aten.unfold.default, aten.unfold_copy.default)
+def unfold_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d != dim (windows of dim are cut across shards, so it is whole); P -> P."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(call.arg(1, "dimension"), ndim)
+    return _keep_dims(ndim, {d: d for d in range(ndim) if d != dim})
+
+
+@register_rule(aten.unfold_backward.default, local_args=local_view_size)
+def unfold_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) for d != dim and not the window dim (the grad's last); P -> P (the fill is zero)."""
+    ndim = len(call.arg(1, "input_sizes"))
+    dim = normalize_dim(call.arg(2, "dim"), ndim)
+    return _keep_dims(ndim + 1, {d: d for d in range(ndim) if d != dim})
 
 
 @register_rule(aten.flip.default)

@@ -22,8 +22,8 @@ from spmd.tensor.spec import DTensorSpec, contiguous_strides, local_shape_and_of
 aten = torch.ops.aten
 
 
-@register_rule(aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
-               aten.zeros_like.default)
+@register_rule(aten.detach.default, aten.alias.default, aten.alias_copy.default, aten.clone.default,
+               aten._to_copy.default, aten.zeros_like.default)
 def identity_rule(call: OpCall) -> Sequence[OpStrategy]:
     """p -> p: the op touches each element on its own rank and nothing else."""
     return identity_candidates(call.input_specs[0].ndim)

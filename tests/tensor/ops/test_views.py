@@ -215,6 +215,18 @@ class ShapeOpsTest(DTensorTestBase):
             ([(7, 3)], lambda x: torch.unbind_copy(x, 1)),
             ([(7, 6)], lambda x: torch.narrow_copy(x, 1, 2, 3)),
             ([(7, 6)], lambda x: torch.narrow_copy(x, 1, 0, 6)),
+            ([(7, 6)], lambda x: torch.t_copy(x)),
+            ([(7, 6, 2)], lambda x: torch.transpose_copy(x, 0, 2)),
+            ([(7, 6)], lambda x: torch.alias_copy(x)),
+            ([(7, 1)], lambda x: torch.expand_copy(x, (2, 7, 3))),
+        ])
+
+    @with_comms
+    def test_unfold_keeps_the_other_dims_sharded(self) -> None:
+        self.sweep([
+            ([(7, 6)], lambda x: x.unfold(1, 2, 2)),
+            ([(7, 6)], lambda x: x.unfold(0, 3, 1)),
+            ([(5, 6, 4)], lambda x: torch.unfold_copy(x, 2, 3, 1)),
         ])
 
     @with_comms
