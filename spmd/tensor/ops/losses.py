@@ -12,6 +12,13 @@ pos_weight), then reduced as ``reduction`` says. Per mesh dim, broadcasting alig
             operands runs as the 'sum' backward of grad / (global element count), since the local
             kernel would divide by the local count
 The terms are not linear in self or target, so partial operands are reduced first.
+
+Margin losses over classes (multi_margin, multilabel_margin) have one term per sample of self (N, C):
+  the class dim must be whole; the batch dim, where no piece is empty (torch's kernels return
+  garbage for an empty batch), S(0) (on self, target; the class weight R) -> S(0)
+  for 'none', P(sum) for 'sum', P(avg) for 'mean' when N divides evenly, else the 'sum' loss / N.
+  Their backward ops have no meta kernel in torch, so no rule can be asked about them (the output
+  shape is found on the meta device first): they run through the replicate fallback.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R, pointwise_candidates
+from spmd.tensor.ops.matrix import no_empty_shards
 from spmd.tensor.ops.reductions import schema_arg
 from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
@@ -162,4 +170,68 @@ def loss_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
             inputs = (R, *(aligned_placement(s.shape, shape, d) for s in operands))
             candidates.append(OpStrategy(inputs, (Shard(d),)))
     candidates += [OpStrategy((p,) + (R,) * len(operands), (p,)) for p in LINEAR_PARTIALS]
+    return candidates
+
+
+# ----- margin losses over classes: one term per sample --------------------------------------------
+MARGIN_LOSSES = [aten.multi_margin_loss.default, aten.multilabel_margin_loss_forward.default]
+
+
+def _per_sample(call: OpCall, first: int) -> tuple[DTensorSpec, int, tuple[Placement, ...]]:
+    """(self, N, each operand's placement for a batch shard): S(0) for the per-sample operands
+    from ``first`` on, R for the class weight (always the last tensor when given), R before ``first``."""
+    specs = call.input_specs
+    has_weight = isinstance(schema_arg(call, "weight"), DTensorSpec)
+    sharded = tuple(
+        R if i < first or (has_weight and i == len(specs) - 1) else Shard(0) for i in range(len(specs))
+    )
+    x = specs[first]
+    return x, (x.shape[0] if x.ndim == 2 else 1), sharded
+
+
+def _batch_shardable(x: DTensorSpec) -> bool:
+    """torch's kernels return garbage (uninitialised memory) for an empty batch with 'sum' or 'mean',
+    so the batch dim stays sharded only where no rank's piece is empty."""
+    return x.ndim == 2 and no_empty_shards(x.shape[0], x.mesh.shape)
+
+
+def _batch_sharded_unevenly(x: DTensorSpec, count: int) -> bool:
+    return _batch_shardable(x) and sharded_on_batch(x) and count % x.mesh.size() != 0
+
+
+def sharded_on_batch(x: DTensorSpec) -> bool:
+    return any(p == Shard(0) and size > 1 for p, size in zip(x.placements, x.mesh.shape))
+
+
+def _margin_mean_as_sum(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, count: int) -> Any:
+    """The 'sum' loss / N; multilabel_margin's is_target output passes through."""
+    args, kwargs = with_reduction(op, args, kwargs, REDUCTION_SUM)
+    result = op(*args, **kwargs)
+    if isinstance(result, (tuple, list)):
+        return (aten.div.Scalar(result[0], count), *result[1:])
+    return aten.div.Scalar(result, count)
+
+
+def margin_mean_decomposition(call: OpCall) -> Expansion | None:
+    """A 'mean' over an unevenly sharded batch runs as the 'sum' loss divided by N."""
+    if int(schema_arg(call, "reduction", REDUCTION_MEAN)) != REDUCTION_MEAN:
+        return None
+    x, count, _ = _per_sample(call, 0)
+    if not _batch_sharded_unevenly(x, count):
+        return None
+    return functools.partial(_margin_mean_as_sum, count=count)
+
+
+@register_rule(*MARGIN_LOSSES, decompose=margin_mean_decomposition)
+def margin_loss_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """(self (N, C), target...): S(0) -> S(0) 'none', P(sum) 'sum', P(avg) 'mean' (N even); R -> R."""
+    x, count, sharded = _per_sample(call, 0)
+    n_out = len(call.output_metas)
+    candidates = [OpStrategy((R,) * len(sharded), (R,) * n_out)]
+    if not _batch_shardable(x):
+        return candidates
+    reduction = int(schema_arg(call, "reduction", REDUCTION_MEAN))
+    loss: Placement = {REDUCTION_NONE: Shard(0), REDUCTION_SUM: SUM, REDUCTION_MEAN: AVG}[reduction]
+    if reduction != REDUCTION_MEAN or count % x.mesh.size() == 0:
+        candidates.append(OpStrategy(sharded, (loss,) + (Shard(0),) * (n_out - 1)))  # is_target is (N, C)
     return candidates

@@ -63,6 +63,20 @@ def logits_with_pos_weight(shape: tuple[int, ...]) -> list[torch.Tensor]:
     return [randn(*shape), torch.sigmoid(randn(*shape, seed=1)), randn(*shape, seed=2).abs(), randn(shape[-1], seed=3).abs()]
 
 
+def class_targets(shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Scores (N, C), one class per sample, and a class weight."""
+    target = torch.randint(0, shape[-1], shape[:-1], generator=torch.Generator().manual_seed(1))
+    return [randn(*shape), target, randn(shape[-1], seed=2).abs()]
+
+
+def multilabel_targets(shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Scores (N, C) and each sample's classes, ended by -1 (where there are fewer than C)."""
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randint(0, shape[-1], shape, generator=generator)
+    target[torch.rand(shape, generator=generator) < 0.3] = -1
+    return [randn(*shape), target]
+
+
 def log_probabilities(shape: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.log_softmax(randn(*shape), -1), torch.log_softmax(randn(*shape, seed=1), -1)]
 
@@ -81,6 +95,10 @@ LOSSES = [
          lambda x, t, w, pw, reduction: F.binary_cross_entropy_with_logits(x, t, w, pos_weight=pw, reduction=reduction),
          logits_with_pos_weight),
     Loss("multilabel_soft_margin (log_sigmoid)", F.multilabel_soft_margin_loss, probabilities, target_grad=False),
+    Loss("multi_margin(p=2, weight)",
+         lambda x, t, w, reduction: F.multi_margin_loss(x, t, p=2, margin=0.8, weight=w, reduction=reduction),
+         class_targets, target_grad=False),
+    Loss("multilabel_margin", F.multilabel_margin_loss, multilabel_targets, target_grad=False),
     Loss("kl_div(log_target)", lambda x, t, reduction: F.kl_div(x, t, reduction=reduction, log_target=True),
          log_probabilities),
 ]
@@ -88,9 +106,13 @@ LOSSES = [
 
 class LossTest(DTensorTestBase):
     def check(self, mesh: Any, loss: Loss, reduction: str, layout: Sequence[Any], shape: tuple[int, ...]) -> None:
-        """Input, target and weight laid out as ``layout`` (pos_weight R): values and gradients equal torch's."""
+        """Input, target and weight laid out as ``layout`` (pos_weight, class weights R; a target of one
+        class per sample follows the batch shards): values and gradients equal torch's."""
         fulls = loss.make(shape)
-        layouts = [layout if f.shape == shape else [R] * mesh.ndim for f in fulls]
+        layouts = [
+            layout if f.shape == shape else [p if p == S0 and f.shape == shape[:1] else R for p in layout]
+            for f in fulls
+        ]
         grads = [True, loss.target_grad] + [False] * (len(fulls) - 2)
         leaves = [make_dtensor(f, mesh, p, requires_grad=g) for f, p, g in zip(fulls, layouts, grads)]
         plain = [f.clone().requires_grad_(g) for f, g in zip(fulls, grads)]
@@ -197,6 +219,36 @@ class LossTest(DTensorTestBase):
             got = aten.mse_loss_backward.default(grad, x, t, 0)
         self.assertEqual((comm.get_total_counts(), got.placements), (0, (SUM, R)))
         torch.testing.assert_close(got.full_tensor(), aten.mse_loss_backward.default(grad_full, x_full, t_full, 0))
+
+    @with_comms
+    def test_margin_losses_over_a_batch_shard_move_no_data(self) -> None:
+        """Forward only: their backward ops have no meta kernel, so they run through the fallback."""
+        mesh = init_device_mesh("cpu", (4,))
+        for shape, reduction, expected in [(UNEVEN, "none", S0), (UNEVEN, "sum", SUM), (EVEN, "mean", AVG),
+                                           (UNEVEN, "mean", SUM)]:
+            x_full, target_full, weight_full = class_targets(shape)
+            x = distribute_tensor(x_full, mesh, [S0])
+            target = distribute_tensor(target_full, mesh, [S0])
+            weight = distribute_tensor(weight_full, mesh, [R])
+            with CommDebugMode() as comm:
+                out = F.multi_margin_loss(x, target, weight=weight, reduction=reduction)
+            self.assertEqual((comm.get_total_counts(), out.placements), (0, (expected,)), reduction)
+            torch.testing.assert_close(
+                out.full_tensor(), F.multi_margin_loss(x_full, target_full, weight=weight_full, reduction=reduction)
+            )
+
+    @with_comms
+    def test_margin_losses_gather_a_batch_with_an_empty_piece(self) -> None:
+        """torch's kernels return uninitialised memory for an empty batch with 'sum' or 'mean'."""
+        mesh = init_device_mesh("cpu", (4,))
+        for make, fn in [(class_targets, lambda x, t, *w, reduction: F.multi_margin_loss(x, t, reduction=reduction)),
+                         (multilabel_targets, F.multilabel_margin_loss)]:
+            fulls = make((3, 5))  # 3 samples over 4 ranks: one rank has none
+            for reduction in REDUCTIONS:
+                x, target = distribute_tensor(fulls[0], mesh, [S0]), distribute_tensor(fulls[1], mesh, [S0])
+                out = fn(x, target, reduction=reduction)
+                torch.testing.assert_close(out.full_tensor(), fn(*fulls[:2], reduction=reduction))
+                self.assertFalse(any(p.is_partial() for p in out.placements))
 
     @with_comms
     def test_log_sigmoid_keeps_shards_forward_and_backward(self) -> None:
