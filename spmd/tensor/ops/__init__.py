@@ -12,6 +12,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     random_ops,
     reductions,
     reductions_scan,
+    scatter_ops,
     shape_ops,
     sort_ops,
     tensor_ops,

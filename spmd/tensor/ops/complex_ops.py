@@ -9,7 +9,7 @@ pass through; max/min have no meaning on complex values and are reduced first.
   _conj, conj_physical, resolve_conj:  p -> p for S, R, P(sum|avg) (conjugation is real-linear);
                      _conj and _neg_view compute their values (see ``materialized_conj_or_neg``)
   complex(re, im):   pointwise; P x P -> P (sum|avg) as for add
-  polar(abs, angle): pointwise; partials are reduced first
+  polar(abs, angle), angle: pointwise; partials are reduced first
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def complex_rule(call: OpCall) -> Sequence[OpStrategy]:
     return pointwise_candidates(call, linearity="additive")
 
 
-@register_rule(aten.polar.default)
+@register_rule(aten.polar.default, aten.angle.default)
 def polar_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """polar(S(d), S(d)) -> S(d); partial inputs are reduced first (cos and sin are not linear)."""
+    """polar(S(d), S(d)) -> S(d), angle(S(d)) -> S(d); partial inputs are reduced first (not linear)."""
     return pointwise_candidates(call)

@@ -9,6 +9,7 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
   stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
   unfold(dim, size, step): S(d) -> S(d) for d != dim (the window dim is new and whole); the
                         backward likewise (its input_sizes are made local)
+  rot90(k, (a, b)):     S(d) -> S(d) off the plane; k = 1: S(a) -> S(b); k = 3: S(b) -> S(a); k = 0: same
   flip, roll(dims):     S(d) -> S(d) for d not flipped / rolled (roll without dims replicates all)
   repeat(r):            S(d) -> S(d + new leading dims) where r[d] == 1
   diagonal(d1, d2):     S(d) -> S(d') for the dims kept (the diagonal dims are replicated);
@@ -120,6 +121,18 @@ def diagonal_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     pair = {normalize_dim(call.arg(3, "dim1"), ndim), normalize_dim(call.arg(4, "dim2"), ndim)}
     kept = [d for d in range(ndim) if d not in pair]
     return _keep_dims(ndim - 1, dict(enumerate(kept)))
+
+
+@register_rule(aten.rot90.default)
+def rot90_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) -> S(d) off the plane; in it, k = 1 turns S(a) into S(b), k = 3 S(b) into S(a) (the dim that is
+    not flipped), k = 0 keeps both, k = 2 flips both; P -> P."""
+    ndim = call.input_specs[0].ndim
+    a, b = _dims_list(call.arg(2, "dims", [0, 1]), ndim)
+    k = int(call.arg(1, "k", 1)) % 4
+    out_dim = {d: d for d in range(ndim) if d not in (a, b)}
+    out_dim.update({0: {a: a, b: b}, 1: {a: b}, 2: {}, 3: {b: a}}[k])
+    return _keep_dims(ndim, out_dim)
 
 
 @register_rule(aten.unfold.default, aten.unfold_copy.default)

@@ -291,3 +291,98 @@ class ThreeDMeshTest(DTensorTestBase):
             check(lambda x: x[2:6, 1], mesh, [randn(7, 6)], [layout])
 
         self.run_subtests({"layout": layouts, "index_layout": index_layouts}, one)
+
+
+class PositionalWriteTest(DTensorTestBase):
+    """select_scatter, slice_scatter, index_copy, index_fill, index_reduce, scatter_reduce, take, put,
+    masked_scatter and rot90: results and gradients equal torch on every layout."""
+
+    @staticmethod
+    def pairs(mesh_ndim: int, ndim_a: int, ndim_b: int) -> list[tuple[tuple[Placement, ...], ...]]:
+        layouts = list(itertools.product(layouts_for(mesh_ndim, ndim_a), layouts_for(mesh_ndim, ndim_b)))
+        return layouts[:: max(1, len(layouts) // 16)]
+
+    @with_comms
+    def test_scatter_family_forward_and_backward(self) -> None:
+        unique = torch.tensor([4, 0, 2])
+        index_full = randint(6, 7, 4, seed=3)
+        cases = [
+            # (fn, inputs, differentiable)
+            (lambda x, s: x.select_scatter(s, 1, 2), [randn(7, 6, 4), randn(7, 4, seed=1)], True),
+            (lambda x, s: x.slice_scatter(s, 1, 1, 5, 2), [randn(7, 6), randn(7, 2, seed=1)], True),
+            (lambda x, i, s: x.index_copy(1, i, s), [randn(7, 6), unique, randn(7, 3, seed=1)], True),
+            (lambda x, i: x.index_fill(1, i, -1.5), [randn(7, 6), unique], True),
+            (lambda x, i, s: x.index_reduce(0, i, s, "amax"), [randn(7, 6), torch.tensor([1, 1, 5]),
+                                                               randn(3, 6, seed=1)], False),
+            (lambda x, i, s: x.index_reduce(0, i, s, "mean", include_self=False),
+             [randn(7, 6), torch.tensor([1, 1, 5]), randn(3, 6, seed=1)], False),
+            (lambda x, i, s: x.scatter_reduce(1, i, s, "sum"), [randn(7, 6), index_full, randn(7, 4, seed=1)], True),
+            (lambda x, i, s: x.scatter_reduce(1, i, s, "amax", include_self=False),
+             [randn(7, 6), index_full, randn(7, 4, seed=1)], True),
+            (lambda x, i, s: x.scatter_reduce(1, i, s, "prod"), [randn(7, 6), index_full, randn(7, 4, seed=1)], True),
+            (lambda x, i: x.take(i), [randn(7, 6), randint(42, 3, 4, seed=4)], True),
+            (lambda x, i, s: x.put(i, s), [randn(7, 6), torch.tensor([40, 3, 17, 8]), randn(4, seed=1)], True),
+            (lambda x, i, s: x.put(i, s, accumulate=True), [randn(7, 6), randint(42, 8, seed=5), randn(8, seed=1)],
+             True),
+            (lambda x, m, s: x.masked_scatter(m, s), [randn(7, 6), randn(7, 6, seed=2) > 0, randn(42, seed=1)], True),
+        ]
+
+        def one(mesh_shape, case) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            fn, fulls, differentiable = case
+            ndims = [f.ndim for f in fulls]
+            for layouts in self.pairs(mesh.ndim, ndims[0], ndims[-1]):
+                per_input = [layouts[0], *([(R,) * mesh.ndim] * (len(fulls) - 2)), layouts[1]]
+                if len(fulls) == 3 and fulls[1].ndim == fulls[2].ndim:
+                    per_input[1] = layouts[1]  # an index shaped like src shards with it
+                check(fn, mesh, fulls, per_input, backward=differentiable)
+
+        self.run_subtests({"mesh_shape": MESHES, "case": cases}, one)
+
+    @with_comms
+    def test_writes_keep_shards_and_partials_without_communication(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, src_full = randn(8, 6), randn(8, 3, seed=1)
+        unique = torch.tensor([4, 0, 2])
+        cases = [
+            # (fn(x, src, index), self placement, src placement, output placement)
+            (lambda x, s, i: x.index_copy(1, i, s), Shard(0), Shard(0), Shard(0)),
+            (lambda x, s, i: x.index_copy(1, i, s), Partial("max"), Partial("max"), Partial("max")),
+            (lambda x, s, i: x.index_reduce(1, i, s, "amin"), Partial("min"), Partial("min"), Partial("min")),
+            (lambda x, s, i: x.scatter_reduce(1, i.expand(8, 3), s, "sum"), Partial("sum"), Partial("sum"),
+             Partial("sum")),
+            (lambda x, s, i: x.select_scatter(s[:, 0], 1, 3), Shard(0), Shard(0), Shard(0)),
+            (lambda x, s, i: x.slice_scatter(s, 1, 0, 3), Partial("avg"), Partial("avg"), Partial("avg")),
+        ]
+        index = distribute_tensor(unique, mesh, [R])
+        for fn, self_p, src_p, out_p in cases:
+            x, src = make_dtensor(full, mesh, [self_p]), make_dtensor(src_full, mesh, [src_p])
+            with CommDebugMode() as comm:
+                out = fn(x, src, index)
+            self.assertEqual(comm.get_total_counts(), 0, (self_p, src_p))
+            self.assertEqual(out.placements, (out_p,))
+            torch.testing.assert_close(out.full_tensor(), fn(full, src_full, unique))
+        # put(accumulate) with a sharded index: each rank adds its part into a sum-partial
+        x = make_dtensor(full, mesh, [Partial("sum")])
+        positions, values = randint(48, 12, seed=6), randn(12, seed=2)
+        sharded_positions = distribute_tensor(positions, mesh, [Shard(0)])
+        sharded_values = distribute_tensor(values, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            out = x.put(sharded_positions, sharded_values, accumulate=True)
+        self.assertEqual((comm.get_total_counts(), out.placements), (0, (Partial("sum"),)))
+        torch.testing.assert_close(out.full_tensor(), full.put(positions, values, accumulate=True))
+
+    @with_comms
+    def test_rot90_moves_the_shard_with_the_plane(self) -> None:
+        def one(mesh_shape, k) -> None:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            for layout in layouts_for(mesh.ndim, 3):
+                check(lambda x: x.rot90(k, (0, 1)), mesh, [randn(5, 6, 4)], [layout])
+                check(lambda x: x.rot90(k, (2, 0)), mesh, [randn(5, 6, 4)], [layout])
+
+        self.run_subtests({"mesh_shape": MESHES, "k": [0, 1, 2, 3, -1]}, one)
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(randn(8, 6), mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            turned = x.rot90(1)
+        self.assertEqual((comm.get_total_counts(), turned.placements), (0, (Shard(1),)))

@@ -184,6 +184,7 @@ class ComplexOpsTest(DTensorTestBase):
                       collectives=0)
                 check(lambda a, b: torch.conj_physical(torch.complex(a, b)), mesh, fulls, [layout, layout],
                       collectives=0)
+                check(lambda a, b: torch.angle(torch.complex(a, b)), mesh, fulls, [layout, layout], collectives=0)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
         mesh = init_device_mesh("cpu", (4,))
