@@ -489,3 +489,77 @@ class CausalMaskTest(DTensorTestBase):
                     torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
 
         self.run_subtests({"placement": [Shard(0), Shard(1)]}, one)
+
+
+# ----- a torchtitan-style attention block under tensor parallelism ----------------------------------
+class Attention(torch.nn.Module):
+    """Llama attention: grouped-query heads, rotary embeddings, causal SDPA (torchtitan's shape)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = torch.nn.Linear(dim, n_heads * self.head_dim, bias=False, dtype=torch.float64)
+        self.wk = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False, dtype=torch.float64)
+        self.wv = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False, dtype=torch.float64)
+        self.wo = torch.nn.Linear(n_heads * self.head_dim, dim, bias=False, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 heads: under TP each rank holds its heads (a DTensor keeps the global count)
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        keys, values = torch.repeat_interleave(xk, n_rep, dim=2), torch.repeat_interleave(xv, n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class TensorParallelAttentionTest(DTensorTestBase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._fallback = DISPATCHER.fallback
+        DISPATCHER.fallback = False  # every op below must have a rule
+
+    def tearDown(self) -> None:
+        DISPATCHER.fallback = self._fallback
+        super().tearDown()
+
+    @with_comms
+    def test_attention_block_with_rotary_embeddings_matches_one_device(self) -> None:
+        from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        dim, n_heads, n_kv_heads, seq = 32, 8, 4, 6
+        reference = Attention(dim, n_heads, n_kv_heads)
+        with torch.no_grad():
+            for i, p in enumerate(reference.parameters()):
+                p.copy_(randn(*p.shape, seed=20 + i) / dim**0.5)
+        model = Attention(dim, n_heads, n_kv_heads)
+        model.load_state_dict(reference.state_dict())
+        mesh = init_device_mesh("cpu", (4,))
+        parallelize_module(model, mesh, {
+            "wq": ColwiseParallel(use_local_output=False),
+            "wk": ColwiseParallel(use_local_output=False),
+            "wv": ColwiseParallel(use_local_output=False),
+            "wo": RowwiseParallel(),
+        })
+        x_full, freqs_full = randn(2, seq, dim, seed=1), precompute_freqs_cis(dim // n_heads, seq)
+        freqs = distribute_tensor(freqs_full, mesh, [R])
+        x = x_full.clone().requires_grad_()
+        with CommDebugMode() as comm:
+            out = model(x, freqs)
+            out.sum().backward()
+        # forward: one all-reduce after wo; backward: one per colwise layer for the input's gradient;
+        # rotary embeddings, repeat_interleave and attention move nothing
+        self.assertEqual(comm.get_comm_counts(), {"all_reduce": 4})
+
+        x_ref = x_full.clone().requires_grad_()
+        expected = reference(x_ref, freqs_full)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, msg=name)
