@@ -92,7 +92,7 @@ class Dispatcher:
         first = leaves[positions[0]]
         if first._copied_view and positions[0] == 0 and is_inplace(op):
             raise RuntimeError(
-                f"{op} writes into a view of a DTensor that had to be redistributed to make the view, "
+                f"{op} writes into a view of a DTensor that had to be redistributed (or conjugated) to make the view, "
                 f"so the write would not reach the original ({first._spec}); write into the original "
                 "tensor, or call .clone() on the view first if it is meant to be a copy"
             )
@@ -265,7 +265,8 @@ class Dispatcher:
         returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
         return dataclasses.replace(
             decision,
-            view_of_copy=returns_view and bool(moves),
+            # a view computed by a local_impl (``_conj``) holds new values, so it aliases nothing either
+            view_of_copy=returns_view and (bool(moves) or decision.local_impl is not None),
             moves=moves,
             output_specs=tuple(
                 None if p is None or m is None else DTensorSpec(mesh, p, m)

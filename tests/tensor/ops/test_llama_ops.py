@@ -172,6 +172,14 @@ class ComplexOpsTest(DTensorTestBase):
         torch.view_as_real(z).mul_(3)  # writes through both views into x
         torch.testing.assert_close(x.full_tensor(), randn(8, 4, 2) * 3)
 
+        # a shard's conjugate is computed, not a lazy view (torch skips the conj bit inside dispatch),
+        # so writing into it is refused rather than silently lost
+        conj = z.conj()
+        torch.testing.assert_close(conj.full_tensor(), torch.view_as_complex(randn(8, 4, 2) * 3).conj())
+        with self.assertRaisesRegex(RuntimeError, "conjugated"):
+            conj.mul_(2)
+        torch.testing.assert_close(conj.clone().mul_(2).full_tensor(), conj.full_tensor() * 2)
+
     @with_comms
     def test_polar_complex_and_conj_are_pointwise(self) -> None:
         def one(mesh_shape) -> None:
