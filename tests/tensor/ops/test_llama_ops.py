@@ -149,7 +149,9 @@ class ComplexOpsTest(DTensorTestBase):
                 moves_pair = Shard(2) in layout  # the (re, im) pair is made whole first
                 check(lambda x, w: torch.view_as_complex(x) * w, mesh, [randn(7, 3, 2), c], [layout, replicated],
                       collectives=None if moves_pair else 0)
-            for layout in layouts_for(mesh.ndim, 2):
+            for layout in layouts_for(mesh.ndim, 2):  # 3 rows over 4 ranks: one holds an empty shard
+                check(lambda x: torch.view_as_real(torch.view_as_complex(x) * 1j), mesh, [randn(3, 2, 2)], [layout],
+                      collectives=None if Shard(1) in layout else 0)
                 check(torch.view_as_real, mesh, [c], [layout], collectives=0)
                 check(lambda z: torch.view_as_real(z * 2).flatten(1), mesh, [c], [layout])
 
@@ -242,6 +244,11 @@ class InplaceViewTest(DTensorTestBase):
             self.assertEqual(x._spec.shape, expected.shape)
             self.assertEqual(x.to_local().data_ptr(), local.data_ptr())
             torch.testing.assert_close(x.full_tensor(), expected)
+        x = distribute_tensor(randn(3, 1, 8), mesh, [Shard(0)])  # 3 rows over 4 ranks: one shard is empty
+        with CommDebugMode() as comm:
+            x.squeeze_(1).unsqueeze_(2)
+        self.assertEqual((comm.get_total_counts(), x.placements, x.shape), (0, (Shard(0),), (3, 8, 1)))
+        torch.testing.assert_close(x.full_tensor(), randn(3, 8, 1))
 
     @with_comms
     def test_inplace_view_that_would_need_a_move_says_to_redistribute_self(self) -> None:
