@@ -79,7 +79,7 @@ class DTensor(torch.Tensor):
     def __getitem__(self, index: Any) -> Any:
         """``x[[0, 2]]``: torch turns the list into a plain index tensor before dispatch; a list in
         the program is the same on every rank, so that tensor counts as replicated."""
-        if _has_list(index):
+        if _is_list_index(index):
             from spmd.tensor.dispatch import implicit_replication
 
             with implicit_replication():
@@ -89,7 +89,7 @@ class DTensor(torch.Tensor):
     def __setitem__(self, index: Any, value: Any) -> None:
         """``x[[0, 2]] = v`` as ``__getitem__``; a plain (not 0-d) tensor ``v`` must still be distributed."""
         plain_value = isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0
-        if _has_list(index) and not plain_value:
+        if _is_list_index(index) and not plain_value:
             from spmd.tensor.dispatch import implicit_replication
 
             with implicit_replication():
@@ -197,8 +197,11 @@ class DTensor(torch.Tensor):
         return checkpoint_protocol.get_tensor_shard(self, index)
 
 
-def _has_list(index: Any) -> bool:
-    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+def _is_list_index(index: Any) -> bool:
+    """The index holds a Python list and no plain (not 0-d) tensor, which could differ between ranks."""
+    parts = index if isinstance(index, tuple) else (index,)
+    plain = any(isinstance(i, torch.Tensor) and not isinstance(i, DTensor) and i.ndim > 0 for i in parts)
+    return not plain and any(isinstance(i, list) for i in parts)
 
 
 def _dispatcher() -> Any:

@@ -422,6 +422,8 @@ class RulesOnlyTest(DTensorTestBase):
         self.assertEqual((comm.get_total_counts(), kept.placements), (0, (Shard(0),)))  # dim 0 not indexed
         with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor"):
             x[torch.tensor([0, 2])]  # a plain tensor may differ between ranks: distribute it
+        with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor"):
+            x[[0, 2], torch.tensor([1, 3])]  # even beside a list
 
     @with_comms
     def test_list_index_assignment_writes_into_the_shards(self) -> None:
