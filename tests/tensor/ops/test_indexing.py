@@ -373,6 +373,25 @@ class PositionalWriteTest(DTensorTestBase):
         torch.testing.assert_close(out.full_tensor(), full.put(positions, values, accumulate=True))
 
     @with_comms
+    def test_scatter_reduce_with_a_sharded_index_reduces_each_part_into_a_partial(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full, index_full, src_full = randn(5, 6), randint(6, 5, 8, seed=1), randn(5, 8, seed=2)
+        expected_placement = {"sum": Partial("sum"), "amax": Partial("max"), "amin": Partial("min")}
+
+        def one(reduce, include_self) -> None:
+            x = distribute_tensor(full, mesh, [R])
+            index, src = (distribute_tensor(t, mesh, [Shard(1)]) for t in (index_full, src_full))
+            with CommDebugMode() as comm:
+                out = x.scatter_reduce(1, index, src, reduce, include_self=include_self)
+            if include_self and reduce in expected_placement:
+                self.assertEqual((comm.get_total_counts(), out.placements), (0, (expected_placement[reduce],)))
+            torch.testing.assert_close(
+                out.full_tensor(), full.scatter_reduce(1, index_full, src_full, reduce, include_self=include_self)
+            )
+
+        self.run_subtests({"reduce": ["sum", "amax", "amin", "mean", "prod"], "include_self": [True, False]}, one)
+
+    @with_comms
     def test_rot90_moves_the_shard_with_the_plane(self) -> None:
         def one(mesh_shape, k) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
