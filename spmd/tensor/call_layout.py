@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SCALAR_TENSOR", "AMBIGUOUS_KEYS", "DECISION_CACHE_LIMIT", "flatten_call", "unflatten_call"]
+__all__ = ["SCALAR_TENSOR", "AMBIGUOUS_KEYS", "DECISION_CACHE_LIMIT", "flatten_call", "unflatten_call", "mesh_mismatch_error"]
 
 SCALAR_TENSOR = "scalar-tensor"
 """Key part of a plain 0-d tensor leaf (its dtype goes beside it, its value does not matter)."""
@@ -71,3 +71,10 @@ def unflatten_call(leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[
             kwargs[entry] = leaves[pos]
             pos += 1
     return args, kwargs
+
+
+def mesh_mismatch_error(op: Any, mesh: Any, other: Any) -> ValueError:
+    """The error for a call whose DTensors live on two different meshes."""
+    return ValueError(
+        f"{op} got DTensors on different meshes ({mesh} and {other}); redistribute or create them on one DeviceMesh"
+    )

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spmd.tensor.call_layout import AMBIGUOUS_KEYS, DECISION_CACHE_LIMIT, SCALAR_TENSOR, flatten_call, unflatten_call
+from spmd.tensor.call_layout import (
+    AMBIGUOUS_KEYS,
+    DECISION_CACHE_LIMIT,
+    SCALAR_TENSOR,
+    flatten_call,
+    mesh_mismatch_error,
+    unflatten_call,
+)
 from spmd.tensor.debug.state import STATE, op_scope
 from spmd.tensor.debug.verbose import log_decision, log_line
 from spmd.tensor.dtensor import DTensor
@@ -144,10 +151,7 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
             if mesh is None:
                 mesh = spec.mesh
             elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise ValueError(
-                    f"{op} got DTensors on different meshes ({mesh} and {spec.mesh}); "
-                    "redistribute or create them on one DeviceMesh"
-                )
+                raise mesh_mismatch_error(op, mesh, spec.mesh)
             positions.append(i)
             key_parts.append(spec)
         elif isinstance(a, torch.Tensor):
