@@ -52,6 +52,17 @@ def _rank_entry(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Nor does a rank exit (closing its gloo sockets) while a peer is still tearing down: the same
+    # abort, seen now and then on a loaded machine. The store outlives the group.
+    store.add("spmd/torn_down", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("spmd/torn_down", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Leave without running interpreter-exit destructors of leftover c10d objects (gloo's threads
+    # can abort there); the result is already in the store and output is flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_multiprocess(
