@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spmd.tensor.comm import World, current_world
-from spmd.tensor.comm.threaded import current_threaded_world
+from spmd.tensor.comm import World, active_world, current_world
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Replicate, Shard, format_placements
@@ -39,9 +38,9 @@ NO_WORLD_MESSAGE = (
 
 def _running_world() -> World:
     """The world the caller is a rank of, without starting one (that would be a collective)."""
-    threaded = current_threaded_world()
-    if threaded is not None:
-        return threaded
+    world = active_world()
+    if world is not None:
+        return world
     if dist.is_available() and dist.is_initialized():
         return current_world()
     raise RuntimeError(NO_WORLD_MESSAGE)

@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from spmd.tensor.comm import current_world, run_threaded
-from spmd.tensor.comm.threaded import current_threaded_world
+from spmd.tensor.comm import active_world, current_world, run_threaded
 from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["DTensorTestBase", "with_comms", "run_subtests", "NUM_DEVICES", "DEVICE_TYPE"]
@@ -50,7 +49,7 @@ def with_comms(func: F | None = None, *, timeout: float | None = None) -> Any:
     def decorate(method: F) -> F:
         @functools.wraps(method)
         def wrapper(self: DTensorTestBase, *args: Any, **kwargs: Any) -> Any:
-            if current_threaded_world() is not None:  # already inside a world (nested helper)
+            if active_world() is not None:  # already inside a world (nested helper)
                 return method(self, *args, **kwargs)
             limit = timeout if timeout is not None else self.timeout
             run_threaded(lambda: method(self, *args, **kwargs), self.world_size, timeout=limit)

@@ -14,12 +14,13 @@ from spmd.tensor.comm.base import (
     CollectiveTimeoutError,
     Communicator,
     World,
+    active_world,
     add_comm_observer,
     remove_comm_observer,
+    use_world,
 )
 from spmd.tensor.comm.threaded import (
     ThreadedWorld,
-    current_threaded_world,
     run_threaded,
 )
 
@@ -32,10 +33,12 @@ __all__ = [
     "Communicator",
     "ThreadedWorld",
     "World",
+    "active_world",
     "add_comm_observer",
     "current_world",
     "remove_comm_observer",
     "run_threaded",
+    "use_world",
 ]
 
 _c10d_world_lock = threading.Lock()
@@ -43,15 +46,15 @@ _c10d_world: World | None = None
 
 
 def current_world(device_type: str = "cpu", *, timeout_s: float | None = None) -> World:
-    """The world the caller is a rank of: its threaded world, else the c10d default group.
+    """The world the caller is a rank of: the one ``use_world`` set (threads), else the c10d default group.
 
     Under torchrun the default group is created on first use (gloo for cpu, nccl for cuda), with
     ``timeout_s`` as its collective timeout when given.
     """
     global _c10d_world
-    threaded = current_threaded_world()
-    if threaded is not None:
-        return threaded
+    world = active_world()
+    if world is not None:
+        return world
     from spmd.tensor.comm.c10d import C10dWorld
 
     with _c10d_world_lock:

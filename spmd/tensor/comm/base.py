@@ -8,10 +8,12 @@ job (the redistribute executor), so both backends run the same data path.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,8 @@ __all__ = [
     "add_comm_observer",
     "remove_comm_observer",
     "set_collective_check",
+    "active_world",
+    "use_world",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -292,3 +296,27 @@ def reduce_stack(stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
     if reduce_op == "min":
         return stacked.amin(dim=0)
     raise ValueError(f"unknown reduce op {reduce_op!r}; use one of {REDUCE_OPS}")
+
+
+_active_world: contextvars.ContextVar[World | None] = contextvars.ContextVar("spmd_active_world", default=None)
+
+
+def active_world() -> World | None:
+    """The in-process world the caller runs in (threads, a simulation), or None (c10d or no world).
+
+    Set by ``use_world``; ``current_world()`` falls back to the c10d default group when it is None.
+    """
+    return _active_world.get()
+
+
+@contextlib.contextmanager
+def use_world(world: World) -> Iterator[World]:
+    """Make ``world`` the caller's world inside the block (``run_threaded`` does this on each rank thread).
+
+    A new backend is a ``World`` and a ``Communicator`` subclass in one file, entered with this.
+    """
+    token = _active_world.set(world)
+    try:
+        yield world
+    finally:
+        _active_world.reset(token)

@@ -22,8 +22,10 @@ from spmd.tensor.comm.base import (
     CollectiveTimeoutError,
     Communicator,
     World,
+    active_world,
     collective_name,
     reduce_stack,
+    use_world,
 )
 
 __all__ = [
@@ -43,7 +45,8 @@ _current = threading.local()
 
 def current_threaded_world() -> ThreadedWorld | None:
     """The threaded world the calling thread is a rank of, if any."""
-    return getattr(_current, "world", None)
+    world = active_world()
+    return world if isinstance(world, ThreadedWorld) else None
 
 
 @dataclass
@@ -220,7 +223,8 @@ def run_threaded(
     def rank_main(rank: int) -> None:
         _current.world, _current.rank = world, rank
         try:
-            results[rank] = fn(*args, **kwargs)
+            with use_world(world):
+                results[rank] = fn(*args, **kwargs)
         except BaseException as error:
             world.abort(rank, error)
         finally:

@@ -42,10 +42,10 @@ STATE = DebugState()
 
 
 def current_rank_or_none() -> int | None:
-    """The caller's global rank in its threaded world or c10d job; None outside any world."""
-    from spmd.tensor.comm.threaded import current_threaded_world
+    """The caller's global rank in its in-process world or c10d job; None outside any world."""
+    from spmd.tensor.comm.base import active_world
 
-    world = current_threaded_world()
+    world = active_world()
     if world is not None:
         return world.current_rank()
     import torch.distributed as dist
