@@ -44,31 +44,26 @@ import argparse
 import itertools
 import logging
 import math
-import os
-import pickle
 import re
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import spmd.tensor
 from spmd.tensor import Partial, Placement, Shard, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.redistribute import plan_redistribute
-from spmd.testing import run_threaded
+from spmd.testing import run_multiprocess, run_threaded
 from spmd.testing.layouts import make_dtensor
 
 TIMEOUT_S = 120.0
-"""Longest one multi-process torch run may take."""
+"""Longest one multi-process run (and any one gloo collective in it) may take."""
 PADDING_SLACK = 1.05
 """``--plans`` shows transitions whose ratio exceeds this (uneven shards pad by a few percent)."""
 
@@ -344,29 +339,17 @@ def _torch_rank(cases: Sequence[Case]) -> list[Measured]:
     return results
 
 
-def _gloo_entry(rank: int, world_size: int, port: int, cases: Sequence[Case], out_path: str) -> None:
-    """One gloo rank: torch's side, then ours on the same default group; rank 0 writes both."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+def _gloo_rank(cases: Sequence[Case]) -> tuple[list[Measured], list[Measured] | str]:
+    """One gloo rank (under ``run_multiprocess``): torch's side, then ours on the same default group."""
     # torch's one-time notes (gloo's all_to_all fallback, deprecated c10d names) would bury the table.
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    timeout = timedelta(seconds=TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    theirs = _torch_rank(cases)
     try:
-        theirs = _torch_rank(cases)
-        try:
-            ours: list[Measured] | str = _ours_rank(cases, check_values=False)
-        except Exception as error:  # reported next to the table; torch's numbers still count
-            ours = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        mine = (theirs, ours)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            with open(out_path, "wb") as file:
-                pickle.dump(gathered, file)
-    finally:
-        dist.destroy_process_group()
+        ours: list[Measured] | str = _ours_rank(cases, check_values=False)
+    except Exception as error:  # reported next to the table; torch's numbers still count
+        ours = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return theirs, ours
 
 
 def measure_gloo(cases: Sequence[Case]) -> tuple[list[list[Measured]], list[list[Measured]] | str]:
@@ -379,25 +362,7 @@ def measure_gloo(cases: Sequence[Case]) -> tuple[list[list[Measured]], list[list
     ours_error = ""
     for world_size in sorted({c.world_size for c in cases}):
         index = [i for i, c in enumerate(cases) if c.world_size == world_size]
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        with tempfile.TemporaryDirectory() as tmp:
-            out_path = os.path.join(tmp, "results.pkl")
-            context = mp.start_processes(
-                _gloo_entry, args=(world_size, store.port, [cases[i] for i in index], out_path),
-                nprocs=world_size, join=False, start_method="spawn",
-            )
-            deadline = time.monotonic() + TIMEOUT_S
-            try:
-                while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"gloo world of {world_size} did not finish in {TIMEOUT_S:g}s")
-            finally:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                    process.join()
-            with open(out_path, "rb") as file:
-                gathered = pickle.load(file)
+        gathered = run_multiprocess(_gloo_rank, world_size, [cases[i] for i in index], timeout=TIMEOUT_S)
         for j, i in enumerate(index):
             torch_by_case[i] = [gathered[r][0][j] for r in range(world_size)]
         errors = [ours for _, ours in gathered if isinstance(ours, str)]
