@@ -30,28 +30,25 @@ import cProfile
 import io
 import logging
 import os
-import pickle
 import pstats
-import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from train_transformer import Block, Config, batch_at, build_model
+
+from spmd.testing import run_multiprocess
 
 TP = 2
 TIMEOUT_S = 120.0
@@ -186,58 +183,23 @@ def _quiet_torch() -> None:
 
 
 # ----- world 1: gloo processes -------------------------------------------------------------------
-def _gloo_entry(rank: int, port: int, cfg: Config, warmup: int, steps: int, profile: bool, out_path: str) -> None:
-    """One gloo rank: both libraries on the default group, steps alternating; rank 0 writes the result."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)  # two ranks on the machine's cores; intra-op threads would fight them
+def _gloo_rank(cfg: Config, warmup: int, steps: int, profile: bool) -> tuple[Timing, Timing, str] | None:
+    """One gloo rank (under ``run_multiprocess``): both libraries on the default group, steps alternating.
+
+    Rank 0 returns both timings and its cProfile report; the other ranks return None.
+    """
     _quiet_torch()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=TP,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        trainers = [_Trainer(_Library("ours"), cfg), _Trainer(_Library("torch"), cfg)]
-        ours, theirs = run_steps(trainers, warmup=warmup, steps=steps, barrier=dist.barrier)
-        report = profile_steps(trainers[0], first=warmup + steps, steps=steps, enabled=rank == 0) if profile else ""
-        if rank == 0:
-            with open(out_path, "wb") as file:
-                pickle.dump((ours, theirs, report), file)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    trainers = [_Trainer(_Library("ours"), cfg), _Trainer(_Library("torch"), cfg)]
+    ours, theirs = run_steps(trainers, warmup=warmup, steps=steps, barrier=dist.barrier)
+    rank = dist.get_rank()
+    report = profile_steps(trainers[0], first=warmup + steps, steps=steps, enabled=rank == 0) if profile else ""
+    return (ours, theirs, report) if rank == 0 else None
 
 
 def measure_gloo(cfg: Config, *, warmup: int, steps: int, profile: bool) -> tuple[Row, str]:
     """Both libraries on 2 spawned gloo processes over loopback; the row and our cProfile report."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.pkl")
-        context = mp.start_processes(
-            _gloo_entry,
-            args=(_free_port(), cfg, warmup, steps, profile, out_path),
-            nprocs=TP,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the gloo world did not finish in {TIMEOUT_S:g}s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                process.join()
-        with open(out_path, "rb") as file:
-            ours, theirs, report = pickle.load(file)
+    # run_multiprocess gives each rank one intra-op thread: two ranks share the machine's cores.
+    ours, theirs, report = run_multiprocess(_gloo_rank, TP, cfg, warmup, steps, profile, timeout=TIMEOUT_S)[0]
     return Row(setting=f"gloo, {TP} processes", ours=ours, torch=theirs), report
 
 
