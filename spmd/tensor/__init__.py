@@ -1,6 +1,7 @@
 """spmd.tensor: distributed tensors over an n-d device mesh (the ``torch.distributed.tensor`` API)."""
 
 from spmd.tensor import (
+    debug,  # noqa: F401  (applies SPMD_DEBUG / SPMD_DEBUG_RANKS from the environment)
     ops,  # noqa: F401  (registers every sharding rule)
     serialization,  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 )

@@ -25,16 +25,14 @@ from spmd.tensor.call_layout import (
     mesh_mismatch_error,
     unflatten_call,
 )
-from spmd.tensor.debug.fallbacks import record_fallback, warn_once
-from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import log_decision, log_line, replication_note
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op, log_decomposition
+from spmd.tensor.list_dispatch import LIST_OP, dispatch_list, is_list_op
 from spmd.tensor.ops.registry import REGISTRY, OpCall
 from spmd.tensor.placement import Replicate, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator, fallback_refusal, is_inplace
 from spmd.tensor.redistribute import moves_data, redistribute_local
 from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.trace import FALLBACKS, STATE, log_decision, log_decomposition, log_line, op_scope, replication_note
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication"]
 
@@ -148,7 +146,7 @@ class Dispatcher:
         else:
             result = op(*local_args, **local_kwargs)
         if decision.fallback:
-            record_fallback(op, [leaves[positions[n]] for n in decision.moves])
+            FALLBACKS.record(op, [leaves[positions[n]] for n in decision.moves])
             return _finish_fallback(result, decision, args, local_args, mesh)
         if decision.inplace:
             if decision.reshapes_self:
@@ -281,7 +279,7 @@ class Dispatcher:
     def _fallback_decision(self, op: Any, leaves: list[Any], positions: list[int], *, why: str) -> Decision:
         mesh = leaves[positions[0]]._spec.mesh
         replicate = (Replicate(),) * mesh.ndim
-        if warn_once(op):
+        if FALLBACKS.warn_once(op):
             fallback_logger.warning(
                 "%s %s; it runs on replicated inputs (every input is gathered). "
                 "Register a rule in spmd/tensor/ops/ to keep it sharded. Warned once per op and process; "

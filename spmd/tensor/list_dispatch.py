@@ -23,8 +23,6 @@ from spmd.tensor.call_layout import (
     mesh_mismatch_error,
     unflatten_call,
 )
-from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import log_decision, log_line
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.foreach import ListRule
 from spmd.tensor.ops.registry import REGISTRY, OpCall
@@ -32,11 +30,12 @@ from spmd.tensor.placement import Placement, format_placements
 from spmd.tensor.propagation import Decision, ShardingError, is_inplace
 from spmd.tensor.redistribute import moves_data, redistribute_local
 from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
 
 if TYPE_CHECKING:
     from spmd.tensor.dispatch import Dispatcher
 
-__all__ = ["LIST_OP", "is_list_op", "dispatch_list", "log_decomposition"]
+__all__ = ["LIST_OP", "is_list_op", "dispatch_list"]
 
 LIST_OP = "list-op"
 """Marks list ops in the dispatcher's per-op table (they take the list path)."""
@@ -54,14 +53,6 @@ class _Leaf:
     """Stands for tensor leaf ``index`` of a flattened call, so a list position's element call maps back to it."""
 
     index: int
-
-
-def log_decomposition(op: Any, specs: list[DTensorSpec], decision: Decision, hit: bool) -> None:
-    """The verbose line of a call that runs as other ops (their own lines follow it)."""
-    inputs = ", ".join(format_placements(s.placements) for s in specs)
-    expansion = decision.decomposition
-    name = getattr(getattr(expansion, "func", expansion), "__name__", repr(expansion))
-    log_line("%-30s %s  ->  runs as other ops (%s)   [%s]", op, inputs, name, "HIT" if hit else "MISS")
 
 
 def _list_entries(shape: tuple[Any, ...], count: int) -> list[bool]:

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.debug.state import STATE, op_scope
-from spmd.tensor.debug.verbose import capture_collectives, human_bytes, log_line
 from spmd.tensor.placement import (
     Partial,
     Placement,
@@ -38,6 +36,7 @@ from spmd.tensor.placement import (
     shard_sizes,
 )
 from spmd.tensor.spec import DTensorSpec
+from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line, op_scope
 
 __all__ = [
     "TransformStep",

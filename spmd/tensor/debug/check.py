@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from spmd.tensor.comm.base import CollectiveMismatchError, Communicator, set_collective_check
-from spmd.tensor.debug.state import STATE, current_op
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT
+from spmd.tensor.trace import STATE, current_op
 
 __all__ = ["CollectiveFingerprint", "CollectiveMismatchError", "check_collectives", "set_check_collectives"]
 

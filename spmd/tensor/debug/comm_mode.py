@@ -20,8 +20,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from typing_extensions import Self
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
-from spmd.tensor.debug.state import STATE, current_op, current_rank_or_none
-from spmd.tensor.debug.verbose import human_bytes
+from spmd.tensor.trace import STATE, current_op, current_rank_or_none, human_bytes
 
 __all__ = ["CommDebugMode", "CommEvent"]
 

@@ -1,7 +1,6 @@
 """Which ops ran on the replicate fallback in this process, how often, and what it gathered.
 
-The dispatcher records a call only on the fallback path (which gathers every input, so it is slow
-anyway): one dict update under a lock, safe when ranks are threads. ``fallback_report()`` returns a
+The dispatcher counts a call only on the fallback path (``spmd.tensor.trace.FALLBACKS``). ``fallback_report()`` returns a
 snapshot; ``reset_fallback_report()`` starts counting afresh (for one training step, say)::
 
     reset_fallback_report()
@@ -14,27 +13,17 @@ however often the op runs; the report is where the rest is counted.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from spmd.tensor.debug.state import STATE, current_rank_or_none
-from spmd.tensor.debug.verbose import human_bytes, log_line
+from spmd.tensor.trace import FALLBACKS, human_bytes
 
 __all__ = [
     "FallbackRecord",
     "FallbackReport",
     "fallback_report",
     "reset_fallback_report",
-    "record_fallback",
-    "warn_once",
 ]
-
-_lock = threading.Lock()
-_counts: dict[tuple[str, int | None], list[int]] = {}
-"""(op name, global rank or None outside a world) -> [calls, bytes gathered]."""
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +85,8 @@ class FallbackReport:
 
 def fallback_report() -> FallbackReport:
     """Every op that ran on the replicate fallback, with its calls and bytes gathered per rank."""
-    with _lock:
-        rows = [(op, rank, calls, gathered) for (op, rank), (calls, gathered) in _counts.items()]
+    with FALLBACKS.lock:
+        rows = [(op, rank, calls, gathered) for (op, rank), (calls, gathered) in FALLBACKS.counts.items()]
     per_op: dict[str, list[int]] = {}
     for op, _, calls, gathered in rows:
         row = per_op.setdefault(op, [0, 0, 0])
@@ -111,45 +100,11 @@ def fallback_report() -> FallbackReport:
 
 def reset_fallback_report() -> None:
     """Forget the counts so far (the once-per-process warnings stay given)."""
-    with _lock:
-        _counts.clear()
-
-
-def record_fallback(op: Any, replicated: Sequence[Any]) -> None:
-    """Count one fallback call of ``op`` on this rank; ``replicated``: the DTensors it gathered
-    (one passed twice is gathered once)."""
-    seen: set[int] = set()
-    gathered = 0
-    for dtensor in replicated:
-        if id(dtensor) not in seen:
-            seen.add(id(dtensor))
-            gathered += dtensor._spec.tensor_meta.nbytes
-    key = (str(op), current_rank_or_none())
-    with _lock:
-        counts = _counts.get(key)
-        if counts is None:
-            _counts[key] = [1, gathered]
-        else:
-            counts[0] += 1
-            counts[1] += gathered
-    if STATE.verbose:
-        log_line(
-            "  fallback gathered %s into replicated inputs (see spmd.tensor.debug.fallback_report())",
-            human_bytes(gathered),
-        )
-
-
-def warn_once(op: Any) -> bool:
-    """True the first time ``op`` falls back in this process, on whichever rank gets there first."""
-    name = str(op)
-    with _lock:
-        if name in _warned:
-            return False
-        _warned.add(name)
-        return True
+    with FALLBACKS.lock:
+        FALLBACKS.counts.clear()
 
 
 def _forget_warnings() -> None:
     """Warn again for every op (tests only)."""
-    with _lock:
-        _warned.clear()
+    with FALLBACKS.lock:
+        FALLBACKS.warned.clear()

@@ -1,76 +1,16 @@
-"""What the debug tools need from the hot path, kept cheap when nobody is listening.
+"""Debug switches from the environment: ``SPMD_DEBUG`` and ``SPMD_DEBUG_RANKS``.
 
-The dispatcher and the redistribute executor read ``STATE.listening`` (one attribute) and only
-then pay for op attribution or log lines.
+The switches themselves live in ``spmd.tensor.trace`` (read by the hot path); this module only
+parses the environment and turns the user-level tools on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterator
 
-__all__ = ["STATE", "DebugState", "current_op", "op_scope", "current_rank_or_none"]
+from spmd.tensor.trace import STATE, current_op, current_rank_or_none, op_scope
 
-_local = threading.local()
-
-
-class DebugState:
-    """Process-wide switches: verbose logging, which ranks log, and active comm-counting modes."""
-
-    def __init__(self) -> None:
-        self.verbose = False
-        self.ranks: frozenset[int] | None = frozenset({0})
-        """Ranks whose decisions are logged; None logs every rank."""
-        self.comm_modes = 0
-        self.checks = 0
-        """Users of the collective check (see debug/check.py); while > 0, ops name themselves."""
-        self.listening = False
-
-    def refresh(self) -> None:
-        self.listening = self.verbose or self.comm_modes > 0 or self.checks > 0
-
-    def rank_selected(self) -> bool:
-        if self.ranks is None:
-            return True
-        rank = current_rank_or_none()
-        return rank is None or rank in self.ranks
-
-
-STATE = DebugState()
-
-
-def current_rank_or_none() -> int | None:
-    """The caller's global rank in its in-process world or c10d job; None outside any world."""
-    from spmd.tensor.comm.base import active_world
-
-    world = active_world()
-    if world is not None:
-        return world.current_rank()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return None
-
-
-def current_op() -> str | None:
-    """The op (or "redistribute") whose collectives are running on this thread, if known."""
-    return getattr(_local, "op", None)
-
-
-@contextlib.contextmanager
-def op_scope(name: str) -> Iterator[None]:
-    """Attribute the collectives issued inside the block to ``name`` (outermost scope wins)."""
-    outer = getattr(_local, "op", None)
-    if outer is None:
-        _local.op = name
-    try:
-        yield
-    finally:
-        if outer is None:
-            _local.op = None
+__all__ = ["parse_ranks", "configure_from_environment", "STATE", "current_op", "current_rank_or_none", "op_scope"]
 
 
 def parse_ranks(text: str) -> frozenset[int] | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, TextIO
 
-from spmd.tensor.debug.state import current_rank_or_none
 from spmd.tensor.placement import Partial
 from spmd.tensor.spec import local_shape_and_offset
+from spmd.tensor.trace import current_rank_or_none
 
 __all__ = ["visualize_sharding", "sharding_table"]
 
