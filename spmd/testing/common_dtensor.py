@@ -66,9 +66,9 @@ class DTensorTestBase(unittest.TestCase):
     timeout: float = 60.0
     """Seconds a collective may wait before the test fails instead of hanging."""
 
-    @property
-    def world_size(self) -> int:
-        return NUM_DEVICES
+    world_size: int = NUM_DEVICES
+    """Ranks of the world each test runs on; a test class sets ``world_size = 2`` to change it
+    (a ``world_size`` property, as in PyTorch's tests, works too)."""
 
     @property
     def device_type(self) -> str:

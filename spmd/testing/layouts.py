@@ -17,14 +17,9 @@ from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.spec import local_shape_and_offset
+from spmd.testing.seeded import seeded_randn
 
 __all__ = ["seeded_randn", "placement_options", "placement_combinations", "local_piece", "make_dtensor", "expected_local_grad"]
-
-
-def seeded_randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The same values on every rank thread: rank threads share torch's global generator, so
-    tests draw from a fresh generator seeded with ``seed`` instead."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 def placement_options(ndim: int, *, partials: Sequence[str] = Partial.REDUCE_OPS) -> list[Placement]:
