@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, normalize_placements
@@ -27,7 +27,7 @@ def _resolve_placements(
 
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
@@ -37,7 +37,9 @@ def distribute_tensor(
     The data of mesh coordinate 0 is what ends up in the DTensor (scattered for Shard, broadcast
     for Replicate), so ranks may pass the same tensor or only rank 0's needs to be meaningful.
     With ``src_data_rank=None`` each rank keeps its own copy's pieces and nothing is sent.
+    Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
     """
+    device_mesh = device_mesh if device_mesh is not None else current_mesh()
     if isinstance(tensor, DTensor):
         wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
         if tensor.device_mesh != device_mesh or tensor.placements != wanted:
@@ -84,7 +86,7 @@ def _pad_to(piece: torch.Tensor, dim: int, width: int) -> torch.Tensor:
 
 def distribute_module(
     module: nn.Module,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     partition_fn: Callable[[str, nn.Module, DeviceMesh], None] | None = None,
     input_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
     output_fn: Callable[[nn.Module, Any, DeviceMesh], Any] | None = None,
@@ -98,7 +100,9 @@ def distribute_module(
     The hooks hold ``input_fn`` / ``output_fn`` and the mesh, nothing else, so the module pickles
     (``pickle``, ``torch.save``) when those two do: module-level functions, ``functools.partial``
     of them, or instances of module-level classes, not lambdas or nested functions.
+    Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
     """
+    device_mesh = device_mesh if device_mesh is not None else current_mesh()
     if getattr(module, "_spmd_distributed", False):
         raise RuntimeError("distribute_module was already called on this module; call it once")
     for name, submodule in module.named_modules():
@@ -157,6 +161,13 @@ def _size_arg(size: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(int(s) for s in size)
 
 
+def _factory_mesh(device_mesh: DeviceMesh | None, layout: torch.layout) -> DeviceMesh:
+    """The factories' mesh (the current one when not given); only strided tensors are offered."""
+    if layout != torch.strided:
+        raise NotImplementedError(f"DTensor factories make strided tensors only; got layout={layout}")
+    return device_mesh if device_mesh is not None else current_mesh()
+
+
 def _factory(
     fill: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
     size: tuple[Any, ...],
@@ -164,11 +175,11 @@ def _factory(
     device_mesh: DeviceMesh | None,
     placements: Sequence[Placement] | None,
     dtype: torch.dtype | None,
+    layout: torch.layout,
     requires_grad: bool,
     zero_partials: bool,
 ) -> DTensor:
-    if device_mesh is None:
-        raise ValueError("DTensor factories need device_mesh=")
+    device_mesh = _factory_mesh(device_mesh, layout)
     shape = _size_arg(size)
     dtype = dtype or torch.get_default_dtype()
     placements = _resolve_placements(device_mesh, placements, len(shape))
@@ -183,39 +194,42 @@ def _factory(
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 
 
-def zeros(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+def zeros(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+          requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of zeros with global shape ``size``."""
     return _factory(lambda s, dt: torch.zeros(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=False)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False)
 
 
-def ones(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+         requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of ones with global shape ``size``."""
     return _factory(lambda s, dt: torch.ones(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=True)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True)
 
 
-def empty(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+          requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
     """An uninitialised DTensor with global shape ``size``."""
     return _factory(lambda s, dt: torch.empty(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=False)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False)
 
 
-def full(size: Sequence[int], fill_value: Any, *, device_mesh: DeviceMesh | None = None,
-         placements: Sequence[Placement] | None = None, dtype: torch.dtype | None = None,
-         requires_grad: bool = False) -> DTensor:
+def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = None,
+         layout: torch.layout = torch.strided, requires_grad: bool = False,
+         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor filled with ``fill_value`` with global shape ``size``."""
     return _factory(lambda s, dt: torch.full(s, fill_value, dtype=dt), (size,), device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, requires_grad=requires_grad, zero_partials=True)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True)
 
 
 def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
-            placements: Sequence[Placement] | None, dtype: torch.dtype | None, requires_grad: bool) -> DTensor:
-    if device_mesh is None:
-        raise ValueError("DTensor factories need device_mesh=")
+            placements: Sequence[Placement] | None, dtype: torch.dtype | None, layout: torch.layout,
+            requires_grad: bool) -> DTensor:
+    device_mesh = _factory_mesh(device_mesh, layout)
     from spmd.tensor.random import draw_local
 
     shape = _size_arg(size)
@@ -228,15 +242,17 @@ def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 
 
-def rand(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-         dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+def rand(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+         requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
     """Uniform [0, 1) values: a single device's draw after ``torch.manual_seed`` with the same seed
     (default "torch" RNG mode), or ``CounterStream``'s draw in "counter" mode (``spmd.tensor.random``)."""
-    return _random("uniform_", size, device_mesh, placements, dtype, requires_grad)
+    return _random("uniform_", size, device_mesh, placements, dtype, layout, requires_grad)
 
 
-def randn(*size: Any, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-          dtype: torch.dtype | None = None, requires_grad: bool = False) -> DTensor:
+def randn(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+          requires_grad: bool = False, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
     """Standard normal values: a single device's draw after ``torch.manual_seed`` with the same seed
     (default "torch" RNG mode), or ``CounterStream``'s draw in "counter" mode (``spmd.tensor.random``)."""
-    return _random("normal_", size, device_mesh, placements, dtype, requires_grad)
+    return _random("normal_", size, device_mesh, placements, dtype, layout, requires_grad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -11,7 +12,20 @@ import torch
 
 from spmd.tensor.comm import Communicator, World, current_world
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
+
+# The meshes entered with ``with mesh:``, innermost last. A context variable, so that each rank
+# thread of a threaded world has its own stack.
+_ENTERED_MESHES: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("spmd_entered_meshes", default=())
+
+
+def current_mesh() -> DeviceMesh:
+    """The innermost mesh entered with ``with mesh:``; what ``distribute_tensor`` and the factories
+    use when no ``device_mesh`` is given."""
+    entered = _ENTERED_MESHES.get()
+    if not entered:
+        raise RuntimeError("no DeviceMesh is active: pass device_mesh=..., or enter one with `with mesh:`")
+    return entered[-1]
 
 
 class DeviceMesh:
@@ -34,8 +48,8 @@ class DeviceMesh:
         _create_groups: bool = True,
     ) -> None:
         ranks = _ranks_tensor(mesh)
-        self.device_type = device_type
-        self.mesh = ranks
+        self._device_type = device_type
+        self._mesh = ranks
         self._shape = tuple(ranks.shape)
         self._flat = tuple(int(r) for r in ranks.flatten().tolist())
         if len(set(self._flat)) != len(self._flat):
@@ -53,7 +67,7 @@ class DeviceMesh:
                 raise ValueError(
                     f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once"
                 )
-        self.mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
+        self._mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
         self._world = _world if _world is not None else current_world(device_type)
         if max(self._flat) >= self._world.size or min(self._flat) < 0:
             raise ValueError(
@@ -76,6 +90,20 @@ class DeviceMesh:
         self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names, id(self._world)))
 
     # ----- shape -----------------------------------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        """``"cpu"`` or ``"cuda"``: where the ranks' tensors live."""
+        return self._device_type
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The ranks as an int64 tensor of the mesh's shape."""
+        return self._mesh
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._mesh_dim_names
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
@@ -143,6 +171,10 @@ class DeviceMesh:
         comm = self.get_communicator(mesh_dim)
         return getattr(comm, "group", comm)
 
+    def get_all_groups(self) -> list[Any]:
+        """The caller's process group along every mesh dim, in mesh-dim order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
     # ----- sub-meshes ------------------------------------------------------------------------------
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh over the named dims that contains the caller, e.g. ``mesh["tp"]``."""
@@ -162,6 +194,15 @@ class DeviceMesh:
         return DeviceMesh(
             self.device_type, sub, mesh_dim_names=wanted, _world=self._world, _create_groups=False
         )
+
+    # ----- the current mesh ------------------------------------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        """Make this the mesh used where none is given (``distribute_tensor(t, placements=...)``)."""
+        _ENTERED_MESHES.set((*_ENTERED_MESHES.get(), self))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _ENTERED_MESHES.set(_ENTERED_MESHES.get()[:-1])
 
     # ----- value semantics -------------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:

@@ -46,6 +46,14 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Size and start of piece ``rank`` when a dim of ``curr_local_size`` is cut into ``num_chunks``.
+
+        The offset is relative to the tensor being cut; an empty trailing piece starts at its end.
+        """
+        return shard_sizes(curr_local_size, num_chunks)[rank], shard_offsets(curr_local_size, num_chunks)[rank]
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
@@ -67,6 +75,10 @@ class Partial(Placement):
 
     reduce_op: str = "sum"
     REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min")
+    ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = REDUCE_OPS
+    """torch's name for ``REDUCE_OPS`` (torch also lists "product", which spmd does not offer)."""
+    LINEAR_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg")
+    """Reductions that commute with addition and scaling."""
 
     def __post_init__(self) -> None:
         if self.reduce_op not in self.REDUCE_OPS:
@@ -80,7 +92,7 @@ class Partial(Placement):
     @property
     def is_linear(self) -> bool:
         """True for sum and avg: the reduction commutes with addition and scaling."""
-        return self.reduce_op in ("sum", "avg")
+        return self.reduce_op in self.LINEAR_REDUCE_OPS
 
     def __str__(self) -> str:
         return f"P({self.reduce_op})"

@@ -13,12 +13,14 @@ batch) composes with the plan on the same mesh.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from spmd.tensor import DeviceMesh
+from spmd.tensor.device_mesh import current_mesh
 from spmd.tensor_parallel.layouts import resolve_tp_mesh_dim
 from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
 
@@ -29,8 +31,8 @@ Plan = ParallelStyle | Mapping[str, ParallelStyle]
 
 def parallelize_module(
     module: nn.Module,
-    device_mesh: DeviceMesh,
-    parallelize_plan: Plan,
+    device_mesh: DeviceMesh | None = None,
+    parallelize_plan: Plan | None = None,
     *,
     src_data_rank: int | None = 0,
     tp_mesh_dim: int | str | None = None,
@@ -38,12 +40,17 @@ def parallelize_module(
     """Parallelise ``module`` in place over the tp dim of ``device_mesh`` as ``parallelize_plan`` says.
 
     ``tp_mesh_dim`` (name or index) picks the tp dim of an n-d mesh; None: the only dim of a 1-d
-    mesh, else the dim named ``"tp"``.
+    mesh, else the dim named ``"tp"``. Without ``device_mesh`` the mesh entered with ``with mesh:``
+    is used; without a plan nothing is parallelised (a warning says so).
 
     >>> plan = {"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down": RowwiseParallel()}
     >>> parallelize_module(model, mesh["tp"], plan)  # doctest: +SKIP
     >>> parallelize_module(model, mesh, plan)  # the (dp, tp) mesh: batch-sharded DTensor inputs  # doctest: +SKIP
     """
+    device_mesh = device_mesh if device_mesh is not None else current_mesh()
+    if parallelize_plan is None:
+        warnings.warn("parallelize_module got no parallelize_plan; the module is left as it is", stacklevel=2)
+        return module
     _check_mesh(device_mesh)
     tp = resolve_tp_mesh_dim(device_mesh, tp_mesh_dim)
     if isinstance(parallelize_plan, ParallelStyle):

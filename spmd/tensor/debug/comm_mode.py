@@ -22,9 +22,75 @@ from typing_extensions import Self
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
 from spmd.tensor.trace import STATE, current_op, current_rank_or_none, human_bytes
 
-__all__ = ["CommDebugMode", "CommEvent"]
+__all__ = ["CommDebugMode", "CommEvent", "CommCounts", "collective_kind"]
 
 GLOBAL = "Global"
+
+# torch's names for each collective: its functional collectives (python functions and the
+# ``_c10d_functional`` / ``c10d_functional`` ops), the c10d ops and DTensor's own all_to_all.
+_TORCH_NAMES: dict[str, tuple[str, ...]] = {
+    "all_gather": (
+        "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced", "allgather_", "_allgather_base_", "allgather_coalesced_",
+        "allgather_into_tensor_coalesced_",
+    ),
+    "all_reduce": ("all_reduce", "all_reduce_coalesced", "allreduce_", "allreduce_coalesced_"),
+    "reduce_scatter": (
+        "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced",
+        "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+    ),
+    "all_to_all": ("all_to_all_single", "all_to_all_single_autograd", "alltoall_", "alltoall_base_",
+                   "shard_dim_alltoall"),
+    "broadcast": ("broadcast", "broadcast_"),
+    "scatter": ("scatter_",),
+    "gather": ("gather_",),
+    "reduce": ("reduce_",),
+}
+_KIND_OF_TORCH_NAME = {name: kind for kind, names in _TORCH_NAMES.items() for name in names}
+KINDS = (*_TORCH_NAMES, "all_gather_object")
+"""Every collective kind a CommDebugMode can count."""
+
+
+def collective_kind(key: object) -> str:
+    """Our name of a collective given by our name (``"all_gather"``) or by torch's op or function.
+
+    ``funcol.all_gather_into_tensor``, ``torch.ops.c10d_functional.all_gather_into_tensor`` (or
+    an overload of it) and ``torch.ops.c10d._allgather_base_`` all give ``"all_gather"``, so
+    counts read the way torch's ``CommDebugMode`` tests read them.
+    """
+    if isinstance(key, str):
+        if key in KINDS:
+            return key
+        raise KeyError(f"{key!r} is not a collective CommDebugMode counts; the kinds are {', '.join(KINDS)}")
+    packet = getattr(key, "_overloadpacket", key)
+    qualified = getattr(packet, "_qualified_op_name", None)
+    name = qualified.split("::")[-1] if isinstance(qualified, str) else getattr(packet, "__name__", None)
+    if name in _KIND_OF_TORCH_NAME:
+        return _KIND_OF_TORCH_NAME[name]
+    raise KeyError(f"{key!r} is not a collective CommDebugMode counts; the kinds are {', '.join(KINDS)}")
+
+
+class CommCounts(dict[str, int]):
+    """Counts by collective kind, keyed by our names but readable with torch's ops as keys too.
+
+    A collective that did not happen reads as 0, as in torch's ``CommDebugMode``.
+    """
+
+    def __missing__(self, key: object) -> int:
+        kind = collective_kind(key)
+        return super().get(kind, 0) if kind != key else 0
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return super().__contains__(collective_kind(key))
+        except KeyError:
+            return False
+
+    def get(self, key: object, default: Any = None) -> Any:
+        try:
+            return super().get(collective_kind(key), default)
+        except KeyError:
+            return default
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,26 +223,34 @@ class CommDebugMode:
         """Number of collectives issued."""
         return len(self.events)
 
-    def get_comm_counts(self) -> dict[str, int]:
-        """Collectives issued, by kind (``all_gather``, ``all_reduce``, ``reduce_scatter``, ...)."""
-        return dict(Counter(e.kind for e in self.events))
+    def get_comm_counts(self) -> CommCounts:
+        """Collectives issued, by kind (``all_gather``, ``all_reduce``, ``reduce_scatter``, ...).
 
-    def get_comm_bytes(self) -> dict[str, int]:
+        torch's ops read as keys too: ``counts[funcol.all_gather_into_tensor]``.
+        """
+        return CommCounts(Counter(e.kind for e in self.events))
+
+    @property
+    def comm_counts(self) -> CommCounts:
+        """torch's attribute name for ``get_comm_counts()``."""
+        return self.get_comm_counts()
+
+    def get_comm_bytes(self) -> CommCounts:
         """Bytes this rank received, by kind (ring-algorithm accounting, see ``CollectiveRecord``)."""
         totals: Counter[str] = Counter()
         for e in self.events:
             totals[e.kind] += e.record.moved_bytes
-        return dict(totals)
+        return CommCounts(totals)
 
     def get_total_bytes(self) -> int:
         return sum(e.record.moved_bytes for e in self.events)
 
-    def get_per_op_comm_counts(self) -> dict[str, dict[str, int]]:
+    def get_per_op_comm_counts(self) -> dict[str, CommCounts]:
         """``{op: {collective: count}}``; ops are aten overloads or ``redistribute``."""
         table: dict[str, Counter[str]] = defaultdict(Counter)
         for e in self.events:
             table[e.op][e.kind] += 1
-        return {op: dict(c) for op, c in table.items()}
+        return {op: CommCounts(c) for op, c in table.items()}
 
     def get_per_module_comm_counts(self, *, backward: bool | None = None) -> dict[str, dict[str, int]]:
         """``{module FQN: {collective: count}}``, including ``Global`` for everything.
@@ -189,11 +263,25 @@ class CommDebugMode:
                 continue
             for name in (GLOBAL, *dict.fromkeys(e.modules)):
                 table[name][e.kind] += 1
-        return {name: dict(c) for name, c in table.items()}
+        return {name: CommCounts(c) for name, c in table.items()}
+
+    @property
+    def comm_module_counts(self) -> dict[str, dict[str, CommCounts]]:
+        """``{module FQN: {"forward": counts, "backward": counts}}``, ``Global`` included (torch's layout).
+
+        A collective counts for its module and every module around it.
+        """
+        table: dict[str, dict[str, CommCounts]] = {GLOBAL: {"forward": CommCounts(), "backward": CommCounts()}}
+        for e in self.events:
+            phase = "backward" if e.backward else "forward"
+            for name in (GLOBAL, *dict.fromkeys(e.modules)):
+                counts = table.setdefault(name, {"forward": CommCounts(), "backward": CommCounts()})[phase]
+                counts[e.kind] = counts.get(e.kind, 0) + 1
+        return table
 
     # ----- reports ---------------------------------------------------------------------------------
-    def generate_comm_debug_tracing_table(self, noise_level: int = 0) -> str:
-        """A readable table: per module and pass, the collectives and bytes (``noise_level>=1``: per op)."""
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """A readable table: per module and pass, the collectives and bytes; per op too unless ``noise_level=0``."""
         rows: list[tuple[str, str, str, int, int]] = []
         grouped: dict[tuple[str, str], dict[tuple[str, str], list[int]]] = defaultdict(dict)
         for e in self.events:
@@ -214,6 +302,11 @@ class CommDebugMode:
         for name, phase, kind, count, nbytes in rows:
             lines.append(f"{name:<{width}}  {phase:<8}  {kind:<{kwidth}}  {count:>5}  {human_bytes(nbytes):>10}")
         return "\n".join(lines)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:
+        """Write ``generate_comm_debug_tracing_table(noise_level)`` to ``file_name``."""
+        with open(file_name, "w") as file:
+            file.write(self.generate_comm_debug_tracing_table(noise_level) + "\n")
 
     def __str__(self) -> str:
         lines = [f"{'collective':<16}{'count':>7}{'bytes':>14}"]
