@@ -9,6 +9,9 @@ Algebra (per mesh dim, broadcasting aligned from the right):
   fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> same P (every rank holds v); v a DTensor must be R
   mul:        P x R -> P; R x P -> P
   div:        P x R -> P
+  frexp:      S(d) -> S(d), S(d) (mantissa, exponent)
+  glu(dim):   S(d) -> S(d) for d != dim (dim is cut in halves that pair up); backward alike, P(grad) -> P
+  prelu(x, w): pointwise with w broadcast; backward: a dim w is broadcast along -> grad_w P(sum)
 """
 
 from __future__ import annotations
@@ -17,26 +20,42 @@ from collections.abc import Sequence
 
 import torch
 
-from spmd.tensor.ops.common import LINEAR_PARTIALS, R, pointwise_candidates
+from spmd.tensor.ops.common import LINEAR_PARTIALS, R, normalize_dim, pointwise_candidates
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
 
 aten = torch.ops.aten
+SUM = Partial("sum")
 
+# fmt: off
 UNARY_OPS = [
     "abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "exp", "expm1", "floor", "log", "log1p",
-    "log2", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "square",
-    "tan", "tanh", "trunc", "gelu", "silu", "bitwise_not", "logical_not", "isnan", "isinf", "isfinite",
-    "sgn", "signbit", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu",
-    "softplus", "mish", "hardswish", "hardsigmoid", "logit", "erfinv", "digamma", "lgamma", "frac", "deg2rad", "rad2deg",
+    "log2", "reciprocal", "relu", "round", "rsqrt", "sigmoid", "sign", "sin", "sinh", "sqrt", "square", "tan",
+    "tanh", "trunc", "gelu", "silu", "bitwise_not", "logical_not", "isnan", "isinf", "isfinite", "sgn",
+    "signbit", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "softplus",
+    "mish", "hardswish", "hardsigmoid", "logit", "erfinv", "digamma", "lgamma", "frac", "deg2rad", "rad2deg",
+    "acosh", "asinh", "atanh", "erfc", "exp2", "log10", "sinc", "i0", "isposinf", "isneginf", "celu",
+    "hardshrink", "softshrink", "polygamma", "mvlgamma", "special_i0e", "special_i1", "special_i1e",
+    "special_airy_ai", "special_bessel_j0", "special_bessel_j1", "special_bessel_y0", "special_bessel_y1",
+    "special_modified_bessel_i0", "special_modified_bessel_i1", "special_modified_bessel_k0",
+    "special_modified_bessel_k1", "special_scaled_modified_bessel_k0", "special_scaled_modified_bessel_k1",
+    "special_spherical_bessel_j0", "special_entr", "special_erfcx", "special_log_ndtr", "special_ndtri",
+    "special_ndtr",
 ]
 BINARY_NONLINEAR_OPS = [
     "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "logical_and", "logical_or",
     "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide", "addcmul", "addcdiv",
     "lerp", "hypot", "copysign", "xlogy", "fmax", "fmin", "heaviside", "logaddexp", "nextafter",
     "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward", "mish_backward",
-    "hardswish_backward", "hardsigmoid_backward", "logit_backward",
+    "hardswish_backward", "hardsigmoid_backward", "logit_backward", "igamma", "igammac", "ldexp", "logical_xor",
+    "logaddexp2", "special_xlog1py", "special_zeta", "special_chebyshev_polynomial_t",
+    "special_chebyshev_polynomial_u", "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w",
+    "special_shifted_chebyshev_polynomial_t", "special_shifted_chebyshev_polynomial_u",
+    "special_shifted_chebyshev_polynomial_v", "special_shifted_chebyshev_polynomial_w",
+    "special_hermite_polynomial_h", "special_hermite_polynomial_he", "special_laguerre_polynomial_l",
+    "special_legendre_polynomial_p",
 ]
+# fmt: on
 
 
 def _packets(names: Sequence[str], *, modes: bool = True) -> list[object]:
@@ -85,7 +104,9 @@ def mul_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates
 
 
-@register_rule(*_packets(["div", "threshold_backward", "silu_backward"], modes=False))
+@register_rule(
+    *_packets(["div", "threshold_backward", "silu_backward", "hardshrink_backward", "softshrink_backward"], modes=False)
+)
 def linear_in_first_rule(call: OpCall) -> Sequence[OpStrategy]:
     """P x R -> P: linear in the first operand (the numerator, or the incoming gradient)."""
     return pointwise_candidates(call, linearity="multiplicative")
@@ -127,3 +148,49 @@ def fill_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 def _is_inplace_name(call: OpCall) -> bool:
     return call.op._schema.name.endswith("_")
+
+
+@register_rule(aten.frexp.Tensor)
+def frexp_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """frexp(x) -> (mantissa, exponent): S(d) -> S(d), S(d); R -> R, R; a partial is reduced first."""
+    return [OpStrategy(c.inputs, c.outputs * 2) for c in pointwise_candidates(call)]
+
+
+@register_rule(aten.glu.default)
+def glu_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """glu(x, dim) = a * sigmoid(b) for the two halves of dim: S(d) -> S(d) for d != dim; dim is whole."""
+    ndim = call.input_specs[0].ndim
+    dim = normalize_dim(int(call.arg(1, "dim", -1)), ndim)
+    return [OpStrategy((R,), (R,)), *(OpStrategy((Shard(d),), (Shard(d),)) for d in range(ndim) if d != dim)]
+
+
+@register_rule(aten.glu_backward.default)
+def glu_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """(grad, x, dim): S(d) x S(d) -> S(d) for d != dim; grad P x R -> P (linear in grad)."""
+    ndim = call.input_specs[1].ndim
+    dim = normalize_dim(int(call.arg(2, "dim")), ndim)
+    candidates = [OpStrategy((R, R), (R,))]
+    candidates += [OpStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in range(ndim) if d != dim]
+    return candidates + [OpStrategy((p, R), (p,)) for p in LINEAR_PARTIALS]
+
+
+@register_rule(aten._prelu_kernel.default)
+def prelu_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """prelu(x, w), w broadcast (C or 1 values): S(d) x S(d') -> S(d) (w R where broadcast)."""
+    return pointwise_candidates(call)
+
+
+@register_rule(aten._prelu_kernel_backward.default)
+def prelu_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """(grad, x, w) -> (grad_x, grad_w): a dim w has -> S(d) on all -> S(d), S(d');
+    a dim w is broadcast along -> grad, x S(d), w R -> S(d), P(sum) (grad_w sums over it)."""
+    x, weight = call.input_specs[1], call.input_specs[2]
+    candidates = [OpStrategy((R, R, R), (R, R))]
+    lead = x.ndim - weight.ndim
+    for d in range(x.ndim):
+        w_dim = d - lead
+        if w_dim < 0 or (weight.shape[w_dim] == 1 and x.shape[d] != 1):
+            candidates.append(OpStrategy((Shard(d), Shard(d), R), (Shard(d), SUM)))
+        else:
+            candidates.append(OpStrategy((Shard(d), Shard(d), Shard(w_dim)), (Shard(d), Shard(w_dim))))
+    return candidates
