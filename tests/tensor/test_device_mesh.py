@@ -10,9 +10,17 @@ from spmd.testing import DTensorTestBase, run_threaded, with_comms
 
 
 class DeviceMeshTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
+
+    @with_comms
+    def test_description_is_read_only_and_groups_come_per_dim(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        self.assertEqual((mesh.device_type, mesh.mesh.shape, mesh.mesh_dim_names), ("cpu", (2, 4), ("dp", "tp")))
+        with self.assertRaises(AttributeError):
+            mesh.mesh_dim_names = ("a", "b")
+        groups = mesh.get_all_groups()
+        self.assertEqual(len(groups), 2)
+        self.assertIs(groups[1], mesh.get_group("tp"))
 
     @with_comms
     def test_3d_mesh_shape_and_coordinates(self) -> None:

@@ -212,6 +212,38 @@ class DTensorApiTest(DTensorTestBase):
             distribute_module(model, mesh)
 
     @with_comms
+    def test_the_mesh_entered_with_with_is_used_when_none_is_given(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.arange(16.0).reshape(8, 2)
+        with mesh:
+            d = distribute_tensor(full, placements=[Shard(0)])
+            z = st.zeros(8, 2, placements=[Shard(1)])
+            model = distribute_module(nn.Linear(2, 2))
+        self.assertEqual(d.device_mesh, mesh)
+        torch.testing.assert_close(d.full_tensor(), full)
+        self.assertEqual((z.device_mesh, z.placements), (mesh, (Shard(1),)))
+        self.assertEqual(model.weight.placements, (Replicate(),))
+        with self.assertRaisesRegex(RuntimeError, "no DeviceMesh is active: pass device_mesh=.*with mesh:"):
+            distribute_tensor(full, placements=[Shard(0)])
+
+    @with_comms
+    def test_inner_with_mesh_wins_and_the_outer_comes_back(self) -> None:
+        outer = init_device_mesh("cpu", (4,))
+        inner = init_device_mesh("cpu", (2, 2))
+        with outer:
+            with inner:
+                self.assertEqual(st.ones(4, 4).device_mesh, inner)
+            self.assertEqual(st.ones(4).device_mesh, outer)
+
+    @with_comms
+    def test_factories_take_torchs_layout_keyword(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        d = st.ones(8, layout=torch.strided, device_mesh=mesh, placements=[Shard(0)])
+        torch.testing.assert_close(d.full_tensor(), torch.ones(8))
+        with self.assertRaisesRegex(NotImplementedError, "strided tensors only"):
+            st.randn(8, layout=torch.sparse_coo, device_mesh=mesh)
+
+    @with_comms
     def test_repr_shows_the_spec(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
         d = distribute_tensor(torch.zeros(8, 2), mesh, [Shard(0)])

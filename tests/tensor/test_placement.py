@@ -52,3 +52,19 @@ def test_bad_placements_say_what_is_allowed() -> None:
         Partial("product")
     with pytest.raises(TypeError, match="int dim"):
         Shard("0")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size,n", [(10, 4), (7, 4), (2, 4), (0, 3), (13, 5)])
+def test_local_shard_size_and_offset_match_torchs(size: int, n: int) -> None:
+    from torch.distributed.tensor import Shard as TorchShard
+
+    for rank in range(n):
+        expected = TorchShard.local_shard_size_and_offset(size, n, rank)
+        assert Shard.local_shard_size_and_offset(size, n, rank) == expected
+        assert Shard(0).local_shard_size_and_offset(size, n, rank) == expected
+
+
+def test_reduce_op_lists_under_torchs_names() -> None:
+    assert Partial.LINEAR_REDUCE_OPS == ("sum", "avg")
+    assert set(Partial.ALL_REDUCE_OPS) == {"sum", "avg", "max", "min"}
+    assert [Partial(op).is_linear for op in Partial.ALL_REDUCE_OPS] == [op in ("sum", "avg") for op in Partial.ALL_REDUCE_OPS]

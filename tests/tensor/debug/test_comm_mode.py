@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 from torch import nn
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import seeded_randn as seeded
 from spmd.testing.layouts import make_dtensor
-
-
-def seeded(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 class ColumnThenRow(nn.Module):
@@ -118,3 +118,49 @@ class CommDebugModeTest(DTensorTestBase):
             for _ in range(repeats):
                 x.redistribute(row, [Replicate()])
         self.assertEqual(comm.get_total_counts(), repeats)
+
+    @with_comms
+    def test_comm_module_counts_has_torchs_layout(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        model = Wrapper(mesh)
+        x = distribute_tensor(seeded(4, 8, seed=3), mesh, [Replicate()])
+        gathered = distribute_tensor(seeded(8, 4), mesh, [Shard(0)]).requires_grad_()
+        with CommDebugMode() as comm:
+            model(x)
+            replicated = gathered.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            replicated.sum().backward()
+        counts = comm.comm_module_counts
+        self.assertEqual(set(counts), {"Global", "Wrapper", "Wrapper.mlp"})
+        self.assertEqual(counts["Wrapper.mlp"], {"forward": {"all_reduce": 1}, "backward": {}})
+        self.assertEqual(counts["Global"], {"forward": {"all_reduce": 1, "all_gather": 1}, "backward": {"reduce_scatter": 1}})
+        self.assertEqual(comm.comm_counts, comm.get_comm_counts())
+
+    @with_comms
+    def test_counts_read_with_torchs_collective_ops_as_keys(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        mesh = init_device_mesh("cpu", (4,))
+        x = make_dtensor(seeded(8, 4), mesh, [Partial()])
+        with CommDebugMode() as comm:
+            x.redistribute(mesh, [Replicate()])
+        counts = comm.get_comm_counts()
+        self.assertEqual(counts, {"all_reduce": 1})
+        for key in ("all_reduce", funcol.all_reduce, torch.ops.c10d_functional.all_reduce,
+                    torch.ops._c10d_functional.all_reduce.default, torch.ops.c10d.allreduce_):
+            self.assertEqual(counts[key], 1, key)
+            self.assertIn(key, counts)
+        # as in torch (a defaultdict), a collective that did not happen counts 0
+        self.assertEqual(counts[funcol.all_gather_tensor], 0)
+        self.assertEqual(counts[torch.ops.c10d_functional.all_gather_into_tensor], 0)
+        self.assertNotIn("all_gather", counts)
+        with self.assertRaisesRegex(KeyError, "not a collective CommDebugMode counts"):
+            counts["all_gahter"]
+        self.assertEqual(comm.comm_module_counts["Global"]["forward"][funcol.all_reduce], 1)
+
+    def test_the_table_goes_to_a_file_like_torchs(self) -> None:
+        comm = CommDebugMode()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "comm.txt")
+            comm.log_comm_debug_tracing_table_to_file(path)
+            with open(path) as file:
+                self.assertEqual(file.read(), comm.generate_comm_debug_tracing_table() + "\n")
