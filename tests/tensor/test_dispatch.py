@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.dispatch import DISPATCHER, implicit_replication
 from spmd.tensor.ops import REGISTRY, OpStrategy
-from spmd.testing import DTensorTestBase, run_threaded, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, with_comms
 from spmd.testing import seeded_randn as randn
 from spmd.testing.layouts import make_dtensor
 
@@ -20,23 +20,11 @@ aten = torch.ops.aten
 
 
 
-def leaf(full: torch.Tensor, mesh, placements) -> DTensor:
-    return distribute_tensor(full, mesh, placements).requires_grad_()
-
-
 class DispatchTest(DTensorTestBase):
     def check_binary(self, mesh, op, placements_a, placements_b, shape_b=(8, 6)) -> None:
-        gen = torch.Generator().manual_seed(0)
-        a_full = torch.randn(8, 6, generator=gen, dtype=torch.float64, requires_grad=True)
-        b_full = torch.randn(shape_b, generator=gen, dtype=torch.float64, requires_grad=True)
-        a, b = leaf(a_full.detach(), mesh, placements_a), leaf(b_full.detach(), mesh, placements_b)
-        weight = torch.randn(8, 6, generator=gen, dtype=torch.float64)
-        out = op(a, b)
-        torch.testing.assert_close(out.full_tensor(), op(a_full, b_full))
-        (out.full_tensor() * weight).sum().backward()
-        (op(a_full, b_full) * weight).sum().backward()
-        torch.testing.assert_close(a.grad.full_tensor(), a_full.grad)
-        torch.testing.assert_close(b.grad.full_tensor(), b_full.grad)
+        a = randn(8, 6, seed=0, dtype=torch.float64).requires_grad_()
+        b = randn(*shape_b, seed=1, dtype=torch.float64).requires_grad_()
+        check_against_torch(op, a, b, placements=[placements_a, placements_b], mesh=mesh)
 
     @with_comms
     def test_pointwise_binary_ops_on_every_layout(self) -> None:
@@ -63,23 +51,14 @@ class DispatchTest(DTensorTestBase):
     @with_comms
     def test_relu_and_mm_against_plain_torch(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
-        gen = torch.Generator().manual_seed(1)
-        x_full = torch.randn(8, 6, generator=gen, requires_grad=True)
-        w_full = torch.randn(6, 4, generator=gen, requires_grad=True)
+        x, w = randn(8, 6, seed=1).requires_grad_(), randn(6, 4, seed=2).requires_grad_()
         layouts = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2))
-
-        def check(x_layout, w_layout) -> None:
-            x, w = leaf(x_full.detach(), mesh, x_layout), leaf(w_full.detach(), mesh, w_layout)
-            out = torch.relu(x @ w)
-            expected = torch.relu(x_full @ w_full)
-            torch.testing.assert_close(out.full_tensor(), expected)
-            out.full_tensor().sum().backward()
-            x_full.grad = w_full.grad = None
-            expected.sum().backward()
-            torch.testing.assert_close(x.grad.full_tensor(), x_full.grad)
-            torch.testing.assert_close(w.grad.full_tensor(), w_full.grad)
-
-        self.run_subtests({"x_layout": layouts, "w_layout": layouts}, check)
+        self.run_subtests(
+            {"x_layout": layouts, "w_layout": layouts},
+            lambda x_layout, w_layout: check_against_torch(
+                lambda a, b: torch.relu(a @ b), x, w, placements=[x_layout, w_layout], mesh=mesh
+            ),
+        )
 
     @with_comms
     def test_mm_strategies_move_no_data_when_layouts_fit(self) -> None:

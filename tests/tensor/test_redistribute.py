@@ -11,7 +11,7 @@ import torch
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.redistribute import plan_redistribute
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import expected_local_grad, local_piece, make_dtensor, placement_options
 
 SHAPES = [(8, 6), (7, 5)]  # even and uneven over 2 and 4 ranks
@@ -43,7 +43,7 @@ def check_values(mesh, pairs, shape, dtype) -> None:
 
 def check_grads(mesh, pairs, shape) -> None:
     full = global_tensor(shape, torch.float64)
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weight = seeded_randn(*shape, seed=0, dtype=torch.float64)
     for src, dst in pairs:
         if any(p.is_partial("max") or p.is_partial("min") for p in src):
             continue  # from_local has no gradient for max/min partials (it raises; tested below)
@@ -56,9 +56,7 @@ def check_grads(mesh, pairs, shape) -> None:
 
 
 class RedistributeTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 4
+    world_size = 4
 
     @with_comms
     def test_every_transition_1d(self) -> None:
@@ -126,7 +124,7 @@ class RedistributeTest(DTensorTestBase):
     @with_comms
     def test_backward_of_reduce_keeps_grad_replicated(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        local = torch.randn(4, 3, generator=torch.Generator().manual_seed(self.rank)).requires_grad_()
+        local = seeded_randn(4, 3, seed=self.rank).requires_grad_()
         x = DTensor.from_local(local, mesh, [Partial()])
         y = x.redistribute(mesh, [Replicate()])
         y.to_local().sum().backward()
@@ -144,9 +142,7 @@ class RedistributeTest(DTensorTestBase):
 
 
 class Redistribute3dTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
 
     @with_comms
     def test_sampled_transitions_3d(self) -> None:
@@ -194,7 +190,7 @@ class RedistributeTrafficTest(DTensorTestBase):
     @with_comms
     def test_two_partials_to_replicate_move_less_than_two_all_reduces(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
-        full = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))  # 64 KiB: worth scattering
+        full = seeded_randn(128, 128)  # 64 KiB: worth scattering
         x = make_dtensor(full, mesh, [Partial(), Partial()])
         with CommDebugMode() as comm:
             y = x.redistribute(mesh, [Replicate(), Replicate()])

@@ -12,7 +12,7 @@ from torch import nn
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor_parallel import ColwiseParallel, loss_parallel, parallelize_module, vocab_parallel_cross_entropy
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, seeded_module, seeded_randint, seeded_randn, with_comms
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -20,7 +20,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def targets(shape: tuple[int, ...], num_classes: int, *, seed: int, ignore_index: int | None) -> torch.Tensor:
-    t = torch.randint(0, num_classes, shape, generator=torch.Generator().manual_seed(seed))
+    t = seeded_randint(num_classes, *shape, seed=seed)
     if ignore_index is not None:
         t.view(-1)[::3] = ignore_index
     return t
@@ -154,14 +154,10 @@ class LossParallelContextTest(DTensorTestBase):
     def test_colwise_lm_head_then_loss(self) -> None:
         """The usual pairing: a Colwise head keeps the logits vocab-sharded for the loss."""
         mesh = init_device_mesh("cpu", (4,))
-        gen = torch.Generator().manual_seed(1)
-        reference = nn.Linear(8, 16)
-        with torch.no_grad():
-            for p in reference.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
+        reference = seeded_module(nn.Linear(8, 16), seed=1)
         head = parallelize_module(copy.deepcopy(reference), mesh, ColwiseParallel(use_local_output=False))
-        hidden = torch.randn(2, 3, 8, generator=gen)
-        target = torch.randint(0, 16, (6,), generator=gen)
+        hidden = seeded_randn(2, 3, 8, seed=2)
+        target = seeded_randint(16, 6, seed=3)
         with loss_parallel(), CommDebugMode() as comm:
             logits = head(hidden)
             assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)

@@ -20,21 +20,10 @@ from spmd.tensor_parallel import (
     parallelize_module,
 )
 from spmd.tensor_parallel.parallelize import resolve_plan_key
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, assert_same_grads, assert_same_params, seeded_module, with_comms
 from spmd.testing import seeded_randn as randn
 
 MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-
-
-
-def seeded(module: nn.Module, seed: int) -> nn.Module:
-    """``module`` with every parameter drawn from a seeded generator: identical on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    return module
 
 
 def tp_meshes() -> list[tuple[DeviceMesh, int]]:
@@ -82,22 +71,10 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def assert_grads_match(model: nn.Module, reference: nn.Module) -> None:
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-        grad = param.grad.full_tensor() if isinstance(param, DTensor) else param.grad
-        torch.testing.assert_close(grad, ref.grad, msg=name)
-
-
-def assert_params_match(model: nn.Module, reference: nn.Module) -> None:
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-        value = param.full_tensor() if isinstance(param, DTensor) else param
-        torch.testing.assert_close(value, ref, msg=name)
-
-
 class MLPTest(DTensorTestBase):
     def check_mlp(self, case, input_shape: tuple[int, ...]) -> None:
         mesh, dp = case
-        reference = seeded(MLP(), seed=1)
+        reference = seeded_module(MLP(), seed=1, scale=0.5)
         model = parallelize_module(copy.deepcopy(reference), mesh, MLP_PLAN)
         x = randn(*input_shape, seed=10 + dp).requires_grad_()
         x_ref = x.detach().clone().requires_grad_()
@@ -116,7 +93,7 @@ class MLPTest(DTensorTestBase):
         # The only backward collective sums the replicated input's gradient over the ranks.
         assert backward.get_comm_counts() == {"all_reduce": 1}
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         torch.testing.assert_close(x.grad, x_ref.grad)
 
     @with_comms
@@ -125,7 +102,7 @@ class MLPTest(DTensorTestBase):
 
     def check_optimizer(self, case, make_optimizer) -> None:
         mesh, dp = case
-        reference = seeded(MLP(), seed=1)
+        reference = seeded_module(MLP(), seed=1, scale=0.5)
         model = parallelize_module(copy.deepcopy(reference), mesh, MLP_PLAN)
         optimizers = [make_optimizer(model.parameters()), make_optimizer(reference.parameters())]
         for step in range(2):
@@ -139,7 +116,7 @@ class MLPTest(DTensorTestBase):
                     assert comm.get_comm_counts() == {}  # parameters and gradients share their layouts
         assert all(isinstance(p, DTensor) for p in model.parameters())
         assert model.up.weight.placements == (Shard(0),)
-        assert_params_match(model, reference)
+        assert_same_params(model, reference)
 
     @with_comms
     def test_optimizer_steps_match_one_device(self) -> None:
@@ -166,7 +143,7 @@ class SequenceParallelBlockTest(DTensorTestBase):
                 return self.mlp(self.norm(x))
 
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(NormMLP(), seed=1)
+        reference = seeded_module(NormMLP(), seed=1, scale=0.5)
         plan = {
             "norm": SequenceParallel(),
             "mlp.up": ColwiseParallel(input_layouts=Shard(1)),
@@ -183,7 +160,7 @@ class SequenceParallelBlockTest(DTensorTestBase):
         torch.testing.assert_close(out, expected.chunk(4, 1)[mesh.get_local_rank()])
         out.sum().backward()
         expected.sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         torch.testing.assert_close(x.grad, x_ref.grad.chunk(4, 1)[mesh.get_local_rank()])
 
 
@@ -191,7 +168,7 @@ class PlanTest(DTensorTestBase):
     @with_comms
     def test_wildcard_plan(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(Stack(), seed=1)
+        reference = seeded_module(Stack(), seed=1, scale=0.5)
         plan = {
             "layers.*.attn.q_proj": ColwiseParallel(),
             "layers.*.attn.o_proj": RowwiseParallel(),
@@ -212,6 +189,17 @@ class PlanTest(DTensorTestBase):
         assert comm.get_comm_counts() == {"all_reduce": 4}  # one per Rowwise Linear
         torch.testing.assert_close(out, reference(x))
 
+    @with_comms
+    def test_the_entered_mesh_is_used_and_no_plan_changes_nothing(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        with mesh:
+            model = parallelize_module(MLP(), parallelize_plan=MLP_PLAN)
+        assert model.up.weight.placements == (Shard(0),) and model.up.weight.device_mesh == mesh
+        plain = MLP()
+        with pytest.warns(UserWarning, match="no parallelize_plan"):
+            assert parallelize_module(plain, mesh) is plain
+        assert not isinstance(plain.up.weight, DTensor)
+
     def test_resolve_plan_key(self) -> None:
         model = Stack(depth=3)
         assert [name for name, _ in resolve_plan_key(model, "layers.*.attn.q_proj")] == [
@@ -227,7 +215,7 @@ class PlanTest(DTensorTestBase):
     @with_comms
     def test_root_style_and_empty_key(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(nn.Linear(8, 8), seed=1)
+        reference = seeded_module(nn.Linear(8, 8), seed=1, scale=0.5)
         for plan in (ColwiseParallel(use_local_output=False), {"": ColwiseParallel(use_local_output=False)}):
             model = parallelize_module(copy.deepcopy(reference), mesh, plan)
             x = randn(3, 8, seed=2)
@@ -257,9 +245,9 @@ class PlanTest(DTensorTestBase):
         """Parameters come from mesh coordinate 0 by default; with None each rank keeps its own."""
         mesh = init_device_mesh("cpu", (4,))
         rank = mesh.get_local_rank()
-        own = seeded(nn.Linear(8, 8), seed=rank)
+        own = seeded_module(nn.Linear(8, 8), seed=rank, scale=0.5)
         broadcast = parallelize_module(copy.deepcopy(own), mesh, ColwiseParallel())
-        torch.testing.assert_close(broadcast.weight.full_tensor(), seeded(nn.Linear(8, 8), seed=0).weight)
+        torch.testing.assert_close(broadcast.weight.full_tensor(), seeded_module(nn.Linear(8, 8), seed=0, scale=0.5).weight)
         kept = parallelize_module(copy.deepcopy(own), mesh, ColwiseParallel(), src_data_rank=None)
         torch.testing.assert_close(kept.weight.to_local(), own.weight.chunk(4, 0)[rank])
 
@@ -289,7 +277,7 @@ class PlanTest(DTensorTestBase):
     def test_prepare_input_before_sharded_submodules(self) -> None:
         """A block whose input arrives sequence-sharded: PrepareModuleInput gathers it once for both branches."""
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(Block(), seed=1)
+        reference = seeded_module(Block(), seed=1, scale=0.5)
         plan = {
             "": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True),
             "attn.q_proj": ColwiseParallel(),

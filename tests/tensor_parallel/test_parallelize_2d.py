@@ -23,24 +23,10 @@ from spmd.tensor_parallel import (
     loss_parallel,
     parallelize_module,
 )
-from spmd.testing import run_threaded
+from spmd.testing import assert_same_grads, run_threaded, seeded_module, seeded_randint
 from spmd.testing import seeded_randn as randn
 
 BATCH = (Shard(0), Replicate())  # the global batch: sharded over dp, whole on every tp rank
-
-
-def seeded(module: nn.Module, seed: int) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    return module
-
-
-def assert_grads_match(model: nn.Module, reference: nn.Module) -> None:
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name
-        torch.testing.assert_close(param.grad.full_tensor(), ref.grad, msg=name)
 
 
 class MLP(nn.Module):
@@ -94,7 +80,7 @@ def tiny_lm_plan() -> dict[str, object]:
 
 
 def test_mlp_forward_backward_match_one_device() -> None:
-    reference = seeded(MLP(), seed=1)
+    reference = seeded_module(MLP(), seed=1, scale=0.5)
     x_full = randn(4, 3, 8, seed=2)
     out_ref = reference(x_full)
     out_ref.sum().backward()
@@ -114,7 +100,7 @@ def test_mlp_forward_backward_match_one_device() -> None:
         out.sum().backward()
         # each dp rank saw half of the batch: weight gradients are partial sums over dp
         assert model.up.weight.grad.placements == (Partial(), Shard(0))
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         return comm.get_comm_counts()
 
     assert run_threaded(run, 4)[0] == {"all_reduce": 1}  # the row-wise output, over tp only
@@ -122,7 +108,7 @@ def test_mlp_forward_backward_match_one_device() -> None:
 
 def test_tp_dim_by_keyword_and_explicit_local_output() -> None:
     """tp_mesh_dim= picks the tp dim by name or index; use_local_output=True still hands back the local piece."""
-    reference = seeded(nn.Linear(8, 8), seed=3)
+    reference = seeded_module(nn.Linear(8, 8), seed=3, scale=0.5)
     x_full = randn(4, 8, seed=4)
 
     def run() -> None:
@@ -161,9 +147,9 @@ def test_prepare_module_output_keeps_the_dp_shard() -> None:
 
 def test_sequence_parallel_lm_with_loss_parallel_matches_one_device() -> None:
     """Row-wise embedding, sequence-parallel norms, a Megatron block and a vocab-sharded head on (2, 2)."""
-    reference = seeded(TinyLM(), seed=6)
-    tokens = torch.randint(16, (4, 6), generator=torch.Generator().manual_seed(7))
-    targets = torch.randint(16, (4, 6), generator=torch.Generator().manual_seed(8))
+    reference = seeded_module(TinyLM(), seed=6, scale=0.5)
+    tokens = seeded_randint(16, 4, 6, seed=7)
+    targets = seeded_randint(16, 4, 6, seed=8)
     loss_ref = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
     loss_ref.backward()
 
@@ -178,7 +164,7 @@ def test_sequence_parallel_lm_with_loss_parallel_matches_one_device() -> None:
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
             with CommDebugMode() as backward:
                 loss.backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         return loss.full_tensor().item(), forward.get_comm_counts(), backward.get_comm_counts()
 
     loss, forward, backward = run_threaded(run, 4)[0]

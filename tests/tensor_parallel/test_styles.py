@@ -21,17 +21,8 @@ from spmd.tensor_parallel import (
     UnsupportedModuleError,
     parallelize_module,
 )
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, assert_same_grads, seeded_module, seeded_randint, with_comms
 from spmd.testing import seeded_randn as randn
-
-
-def seeded(module: nn.Module, seed: int) -> nn.Module:
-    """``module`` with every parameter drawn from a seeded generator: identical on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen))
-    return module
 
 
 def tp_meshes() -> list[tuple[DeviceMesh, int]]:
@@ -52,16 +43,10 @@ def piece(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     return pieces[index] if index < len(pieces) else full.narrow(dim, 0, 0)
 
 
-def assert_grads_match(model: nn.Module, reference: nn.Module) -> None:
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-        assert isinstance(param, DTensor), name
-        torch.testing.assert_close(param.grad.full_tensor(), ref.grad, msg=name)
-
-
 class ColwiseTest(DTensorTestBase):
     def check_linear(self, case, bias: bool, input_shape: tuple[int, ...], use_local_output: bool) -> None:
         mesh, dp = case
-        reference = seeded(nn.Linear(8, 10, bias=bias), seed=1)
+        reference = seeded_module(nn.Linear(8, 10, bias=bias), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, ColwiseParallel(use_local_output=use_local_output))
         assert model.weight.placements == (Shard(0),)
         if bias:
@@ -82,7 +67,7 @@ class ColwiseTest(DTensorTestBase):
             torch.testing.assert_close(out.full_tensor(), expected)
             (out.full_tensor() * grad_weight).sum().backward()
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         torch.testing.assert_close(x.grad, x_ref.grad)
 
     @with_comms
@@ -96,7 +81,7 @@ class ColwiseTest(DTensorTestBase):
     @with_comms
     def test_sharded_input_is_gathered_first(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(nn.Linear(8, 12), seed=1)
+        reference = seeded_module(nn.Linear(8, 12), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, ColwiseParallel(input_layouts=Shard(0)))
         x = randn(8, 8, seed=2)
         with CommDebugMode() as comm:
@@ -106,10 +91,10 @@ class ColwiseTest(DTensorTestBase):
 
     def check_embedding(self, case) -> None:
         mesh, dp = case
-        reference = seeded(nn.Embedding(10, 8), seed=1)
+        reference = seeded_module(nn.Embedding(10, 8), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, ColwiseParallel(use_local_output=False))
         assert model.weight.placements == (Shard(1),)
-        indices = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(dp))
+        indices = seeded_randint(10, 3, 5, seed=dp)
         with CommDebugMode() as comm:
             out = model(indices)
         assert comm.get_comm_counts() == {}
@@ -119,7 +104,7 @@ class ColwiseTest(DTensorTestBase):
         grad_weight = randn(*expected.shape, seed=3)
         (out.full_tensor() * grad_weight).sum().backward()
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
 
     @with_comms
     def test_embedding_forward_and_backward(self) -> None:
@@ -135,7 +120,7 @@ class ColwiseTest(DTensorTestBase):
 class RowwiseTest(DTensorTestBase):
     def check_linear(self, case, bias: bool, input_shape: tuple[int, ...], as_dtensor: bool) -> None:
         mesh, dp = case
-        reference = seeded(nn.Linear(8, 6, bias=bias), seed=1)
+        reference = seeded_module(nn.Linear(8, 6, bias=bias), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, RowwiseParallel())
         assert model.weight.placements == (Shard(1),)
         if bias:
@@ -155,7 +140,7 @@ class RowwiseTest(DTensorTestBase):
         grad_weight = randn(*expected.shape, seed=3)
         (out * grad_weight).sum().backward()
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         x_grad = x.grad.full_tensor() if as_dtensor else x.grad
         torch.testing.assert_close(x_grad, x_ref.grad if as_dtensor else piece(x_ref.grad, mesh, -1))
 
@@ -169,7 +154,7 @@ class RowwiseTest(DTensorTestBase):
 
     def check_sharded_output(self, case, input_shape: tuple[int, ...]) -> None:
         mesh, dp = case
-        reference = seeded(nn.Linear(8, 6), seed=1)
+        reference = seeded_module(nn.Linear(8, 6), seed=1)
         style = RowwiseParallel(output_layouts=Shard(0), use_local_output=False)
         model = parallelize_module(copy.deepcopy(reference), mesh, style)
         x_full = randn(*input_shape, seed=10 + dp)
@@ -184,7 +169,7 @@ class RowwiseTest(DTensorTestBase):
         grad_weight = randn(*expected.shape, seed=3)
         (out.full_tensor() * grad_weight).sum().backward()
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad)
 
     @with_comms
@@ -194,10 +179,10 @@ class RowwiseTest(DTensorTestBase):
 
     def check_row_wise_embedding(self, case) -> None:
         mesh, dp = case
-        reference = seeded(nn.Embedding(10, 8), seed=1)  # 10 rows over 4 ranks: 3, 3, 3, 1
+        reference = seeded_module(nn.Embedding(10, 8), seed=1)  # 10 rows over 4 ranks: 3, 3, 3, 1
         model = parallelize_module(copy.deepcopy(reference), mesh, RowwiseParallel())
         assert model.weight.placements == (Shard(0),)
-        indices = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(dp))
+        indices = seeded_randint(10, 3, 5, seed=dp)
         with CommDebugMode() as comm:
             out = model(indices)
         assert comm.get_comm_counts() == {"all_reduce": 1}
@@ -206,7 +191,7 @@ class RowwiseTest(DTensorTestBase):
         grad_out = randn(*expected.shape, seed=3)
         (out * grad_out).sum().backward()
         (expected * grad_out).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
 
     @with_comms
     def test_row_wise_embedding_forward_and_backward(self) -> None:
@@ -216,7 +201,7 @@ class RowwiseTest(DTensorTestBase):
 class SequenceParallelTest(DTensorTestBase):
     def check_module(self, case, module: nn.Module, sequence_dim: int, as_dtensor: bool) -> None:
         mesh, dp = case
-        reference = seeded(copy.deepcopy(module), seed=1)
+        reference = seeded_module(copy.deepcopy(module), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, SequenceParallel(sequence_dim=sequence_dim))
         assert all(p.placements == (Replicate(),) for p in model.parameters())
         x_full = randn(8, 8, 6, seed=10 + dp)
@@ -234,7 +219,7 @@ class SequenceParallelTest(DTensorTestBase):
         grad_weight = randn(*expected.shape, seed=3)
         (out.full_tensor() * grad_weight).sum().backward()
         (expected * grad_weight).sum().backward()
-        assert_grads_match(model, reference)
+        assert_same_grads(model, reference)
         x_grad = x.grad.full_tensor() if as_dtensor else x.grad
         torch.testing.assert_close(x_grad, x_ref.grad if as_dtensor else piece(x_ref.grad, mesh, sequence_dim))
 
@@ -253,7 +238,7 @@ class SequenceParallelTest(DTensorTestBase):
     @with_comms
     def test_local_output_and_resharded_input(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        reference = seeded(nn.LayerNorm(6), seed=1)
+        reference = seeded_module(nn.LayerNorm(6), seed=1)
         model = parallelize_module(copy.deepcopy(reference), mesh, SequenceParallel(use_local_output=True))
         x_full = randn(2, 8, 6, seed=2)
         x = distribute_tensor(x_full, mesh, [Shard(0)])

@@ -13,10 +13,7 @@ import torch
 from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import is_verbose, set_verbose, verbose
 from spmd.testing import run_threaded
-
-
-def seeded(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+from spmd.testing import seeded_randn as seeded
 
 
 def matmul_then_relu() -> None:
