@@ -26,7 +26,7 @@ from spmd.tensor_parallel import (
     loss_parallel,
     parallelize_module,
 )
-from spmd.testing import run_threaded
+from spmd.testing import run_threaded, seeded_randn
 from spmd.testing.multiprocess import run_multiprocess
 
 VOCAB, DIM, LAYERS, BATCH, SEQ = 32, 16, 2, 8, 6
@@ -357,7 +357,7 @@ class MixedDtypes(nn.Module):
 
 
 def test_parameters_of_two_dtypes_gather_in_one_buffer_each() -> None:
-    x_full = torch.randn(4, 6, generator=torch.Generator().manual_seed(12))
+    x_full = seeded_randn(4, 6, seed=12)
     reference = MixedDtypes()
     reference(x_full).square().sum().backward()
 

@@ -9,7 +9,7 @@ import spmd.tensor as st
 from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.random import manual_seed
-from spmd.testing import run_threaded
+from spmd.testing import run_threaded, seeded_randn
 
 
 def single_device(seed: int, fill: str, shape: tuple[int, ...], *args: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_randint_like_matches_a_single_device() -> None:
 
 
 def test_dropout_on_shards_matches_single_device_and_backprops() -> None:
-    full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    full = seeded_randn(8, 6)
 
     def dropped() -> tuple[torch.Tensor, torch.Tensor]:
         mesh = init_device_mesh("cpu", (2, 2))
@@ -101,7 +101,7 @@ def test_dropout_on_shards_matches_single_device_and_backprops() -> None:
 
 
 def test_dropout_of_a_partial_stays_partial() -> None:
-    full = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    full = seeded_randn(4, 4, seed=1)
 
     def dropped() -> torch.Tensor:
         mesh = init_device_mesh("cpu", (4,))
@@ -117,7 +117,7 @@ def test_dropout_of_a_partial_stays_partial() -> None:
 
 
 def test_eval_mode_dropout_is_the_identity() -> None:
-    full = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    full = seeded_randn(4, 4, seed=1)
 
     def dropped() -> torch.Tensor:
         mesh = init_device_mesh("cpu", (4,))

@@ -37,7 +37,7 @@ from spmd.tensor_parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from spmd.testing import DTensorTestBase, run_threaded, with_comms
+from spmd.testing import DTensorTestBase, run_threaded, seeded_randn, with_comms
 from spmd.testing.multiprocess import run_multiprocess
 
 
@@ -195,7 +195,7 @@ class SerializationTest(DTensorTestBase):
     @with_comms
     def test_a_training_checkpoint_resumes_exactly(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
+        x = seeded_randn(5, 6, seed=4)
         model = _tensor_parallel_mlp(mesh, seed=0)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1, foreach=False)
         model(x).sum().backward()
@@ -221,7 +221,7 @@ class SerializationTest(DTensorTestBase):
         model = _tensor_parallel_mlp(mesh, seed=0)
         clone = copy.deepcopy(model)
         before = _full_state(model)
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+        x = seeded_randn(5, 6, seed=2)
         clone_loss = _sgd_step(clone, x)
         for name, value in _full_state(model).items():  # the original did not move
             torch.testing.assert_close(value, before[name], rtol=0, atol=0)
@@ -236,7 +236,7 @@ class SerializationTest(DTensorTestBase):
         mesh = init_device_mesh("cpu", (4,))
         torch.manual_seed(0)
         model = distribute_module(MLP(), mesh, _shard_linear_weights)
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+        x = seeded_randn(5, 6, seed=3)
         x = distribute_tensor(x, mesh, [Replicate()])
 
         def check(how: str) -> None:
@@ -392,7 +392,7 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
     @with_comms
     def test_colwise_rowwise_mlp_on_a_1d_mesh(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(5))
+        x = seeded_randn(5, 6, seed=5)
         self.assert_copies_train_like_the_original(_tensor_parallel_mlp(mesh, seed=0), x)
 
     @with_comms
@@ -401,7 +401,7 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         torch.manual_seed(0)
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         model = parallelize_module(MLP(), mesh, plan, tp_mesh_dim="tp")
-        batch = torch.randn(4, 6, generator=torch.Generator().manual_seed(6))
+        batch = seeded_randn(4, 6, seed=6)
         x = distribute_tensor(batch, mesh, [Shard(0), Replicate()])  # sharded over dp
         self.assert_copies_train_like_the_original(model, x)
 
@@ -410,9 +410,9 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         mesh = init_device_mesh("cpu", (4,))
         torch.manual_seed(0)
         model = parallelize_module(NormMLP(), mesh, SEQUENCE_PARALLEL_PLAN)
-        x = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(7))
+        x = seeded_randn(2, 8, 6, seed=7)
         local_tokens = x.chunk(4, dim=1)[self.rank]  # this rank's sequence shard
-        shift = torch.randn(6, generator=torch.Generator().manual_seed(8))
+        shift = seeded_randn(6, seed=8)
         self.assert_copies_train_like_the_original(model, local_tokens, shift=shift)
 
     @with_comms
@@ -422,7 +422,7 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         model = MLP()
         fully_shard(model.up, mesh)
         fully_shard(model, mesh)
-        x = distribute_tensor(torch.randn(8, 6, generator=torch.Generator().manual_seed(9)), mesh, [Shard(0)])
+        x = distribute_tensor(seeded_randn(8, 6, seed=9), mesh, [Shard(0)])
         self.assert_copies_train_like_the_original(model, x)
 
     @with_comms
@@ -433,7 +433,7 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         fully_shard(model, mesh)
         # tp cuts up.bias on its only dim, so dp keeps it whole and reduces its gradient
         self.assertEqual(model.up.bias.placements, (Replicate(), Shard(0)))
-        batch = torch.randn(4, 6, generator=torch.Generator().manual_seed(10))
+        batch = seeded_randn(4, 6, seed=10)
         x = distribute_tensor(batch, mesh, [Shard(0), Replicate()])  # sharded over dp
         model(x).sum().backward()
         self.assertEqual(model.up.bias.grad.placements, (Replicate(), Shard(0)))
@@ -444,7 +444,7 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         mesh = init_device_mesh("cpu", (4,))
         torch.manual_seed(0)
         model = distribute_module(MLP(), mesh, _shard_linear_weights, _replicate_inputs, _outputs_to_local)
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(11))
+        x = seeded_randn(5, 6, seed=11)
         self.assert_copies_train_like_the_original(model, x)
 
 
