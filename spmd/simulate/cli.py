@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> list[PlanReport]:
     plans = _plans(args)
     links: Links = parse_links(args.link, ranks_per_node=args.ranks_per_node)
     workloads = [model_workload(args.model, cfg, plan) for plan in plans]  # check every plan before the first runs
+    if args.plot:
+        from spmd.simulate.plot import require_matplotlib
+
+        require_matplotlib()
     reports = [simulate(w, plan, rank=args.rank, world_size=args.world, links=links) for w, plan in zip(workloads, plans)]
     print(format_report(reports[0]) if len(reports) == 1 else format_comparison(reports))
     if args.plot:

@@ -9,22 +9,26 @@ from collections.abc import Sequence
 
 from spmd.simulate.report import PlanReport
 
-__all__ = ["plot_reports"]
+__all__ = ["plot_reports", "require_matplotlib"]
 
 _GIB = 2.0**30
 
 
-def plot_reports(reports: Sequence[PlanReport], path: str) -> None:
-    """Write a two-panel PNG: stacked memory (GiB per rank) and collective bytes and ring time per step."""
+def require_matplotlib() -> None:
+    """Raise ImportError with the fix if matplotlib is missing (checked before a long simulation)."""
     try:
         import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
     except ImportError:
         raise ImportError(
             "--plot needs matplotlib, which is not installed; pip install matplotlib (or the dev extra: pip install -e '.[dev]')"
         ) from None
+    matplotlib.use("Agg")  # files only, no display
+
+
+def plot_reports(reports: Sequence[PlanReport], path: str) -> None:
+    """Write a two-panel PNG: stacked memory (GiB per rank) and collective bytes and ring time per step."""
+    require_matplotlib()
+    import matplotlib.pyplot as plt
     names = [r.plan for r in reports]
     xs = range(len(reports))
     fig, (memory, comm) = plt.subplots(1, 2, figsize=(max(8.0, 2.5 * len(reports) + 4), 4.5))
