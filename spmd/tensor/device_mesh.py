@@ -81,8 +81,9 @@ class DeviceMesh:
         # _dim_groups[d][rank] is the tuple of ranks sharing every coordinate but d with rank.
         self._dim_groups: list[dict[int, tuple[int, ...]]] = []
         for d in range(ranks.ndim):
-            rows = ranks.movedim(d, -1).reshape(-1, self._shape[d]).tolist()
-            self._dim_groups.append({r: tuple(row) for row in rows for r in row})
+            groups = [tuple(row) for row in ranks.movedim(d, -1).reshape(-1, self._shape[d]).tolist()]
+            # one tuple per group, shared by its members: a 65,536-rank mesh must not copy it per rank
+            self._dim_groups.append({r: group for group in groups for r in group})
         if _create_groups:
             self._world.create_groups(self._groups())
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
@@ -154,7 +155,9 @@ class DeviceMesh:
 
     def _groups(self) -> list[tuple[int, ...]]:
         """Every group of ranks this mesh communicates over, in the order all ranks create them."""
-        return sorted({g for per_dim in self._dim_groups for g in per_dim.values()})
+        # dedupe by identity first: tuples do not cache their hash, and each group is shared by its members
+        distinct = {id(g): g for per_dim in self._dim_groups for g in per_dim.values()}
+        return sorted(set(distinct.values()))
 
     def get_communicator(self, mesh_dim: int | str) -> Communicator:
         """The caller's communicator along ``mesh_dim``, labelled with the dim's name for errors."""
