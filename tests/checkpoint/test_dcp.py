@@ -27,7 +27,7 @@ from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.checkpoint_protocol import PartialPlacementError, create_write_items
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from spmd.testing import run_threaded
+from spmd.testing import run_threaded, seeded_randint
 from spmd.testing import seeded_randn as randn
 from spmd.testing.multiprocess import run_multiprocess
 
@@ -59,7 +59,7 @@ EXPECTED_WRITERS = {
 
 def partial_addends() -> torch.Tensor:
     """Two integer-valued addends, so their sum (the Partial tensor) is exact in any order."""
-    return torch.randint(-8, 8, (2, 4, 5), generator=torch.Generator().manual_seed(6)).float()
+    return seeded_randint(8, 2, 4, 5, seed=6, low=-8).float()
 
 
 def full_tensors() -> dict[str, torch.Tensor]:
