@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel norms in every plan")
     parser.add_argument("--world", type=int, help="world size to check the mesh against (default: the mesh's size)")
     parser.add_argument("--rank", type=int, default=0, help="the rank to simulate (uneven shards differ by rank)")
-    parser.add_argument("--link", default="", help="link bandwidths (and latencies): intra=450GB/s@3us,inter=50GB/s@10us")
+    parser.add_argument(
+        "--link", default="", help="link bandwidths (and latencies): intra=450GB/s@3us,inter=50GB/s@10us"
+    )
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing the intra-node link")
     parser.add_argument("--plot", metavar="PNG", help="also draw memory and communication per plan (needs matplotlib)")
     return parser
@@ -59,7 +61,12 @@ def _plans(args: argparse.Namespace) -> list[Plan]:
 def run(args: argparse.Namespace) -> list[PlanReport]:
     """Simulate every plan the arguments name; print the table (one plan) or the comparison."""
     cfg = GPTConfig(
-        layers=args.layers, dim=args.dim, heads=args.heads, vocab=args.vocab, seq=args.seq, batch=args.batch,
+        layers=args.layers,
+        dim=args.dim,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        batch=args.batch,
         dtype=_DTYPES[args.dtype],
     )
     plans = _plans(args)
@@ -69,7 +76,9 @@ def run(args: argparse.Namespace) -> list[PlanReport]:
         from spmd.simulate.plot import require_matplotlib
 
         require_matplotlib()
-    reports = [simulate(w, plan, rank=args.rank, world_size=args.world, links=links) for w, plan in zip(workloads, plans)]
+    reports = [
+        simulate(w, plan, rank=args.rank, world_size=args.world, links=links) for w, plan in zip(workloads, plans)
+    ]
     print(format_report(reports[0]) if len(reports) == 1 else format_comparison(reports))
     if args.plot:
         from spmd.simulate.plot import plot_reports

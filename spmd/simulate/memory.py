@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import Self
 
 from spmd.tensor import DTensor
 
@@ -76,7 +77,7 @@ def _fresh_outputs(func: Any) -> tuple[bool, ...]:
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records when each local storage is allocated, resized and freed while the tracker is active.
 
     Storages alive before it starts are the baseline (``known``): they are not counted again when
@@ -84,7 +85,7 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, known: Iterable[torch.UntypedStorage] = ()) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.events: list[tuple[int, int]] = []
         """(storage token, byte change), in program order."""
         self._tokens: dict[int, int] = {}  # id(storage) -> token, for the live tracked storages
@@ -111,7 +112,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._track(tensor.untyped_storage())
         return out
 
-    def __enter__(self) -> MemoryTracker:
+    def __enter__(self) -> Self:
         tracker = self
         original = self._original_resize = torch.UntypedStorage.resize_
 
@@ -120,12 +121,12 @@ class MemoryTracker(TorchDispatchMode):
             tracker._resized(storage)
             return result
 
-        torch.UntypedStorage.resize_ = resize_and_track  # type: ignore[method-assign]
-        super().__enter__()
+        torch.UntypedStorage.resize_ = resize_and_track  # type: ignore[method-assign, assignment]
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         self._known_refs = []
 

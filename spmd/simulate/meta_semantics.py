@@ -76,7 +76,9 @@ def _cpu_flash_attention(
         shape = (1,) * (t.ndim - 1) + (t.shape[-1],)
         return torch.empty(shape, dtype=t.dtype, device="cpu", requires_grad=t.requires_grad)
 
-    choice = torch._fused_sdp_choice(stand_in(query), stand_in(key), stand_in(value), None, dropout_p, is_causal, scale=scale)
+    choice = torch._fused_sdp_choice(
+        stand_in(query), stand_in(key), stand_in(value), None, dropout_p, is_causal, scale=scale
+    )
     if choice != _FLASH_BACKEND:
         return None
     output: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

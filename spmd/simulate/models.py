@@ -51,7 +51,9 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.dim % self.heads:
-            raise ValueError(f"--dim {self.dim} is not divisible by --heads {self.heads}; each head needs dim/heads features")
+            raise ValueError(
+                f"--dim {self.dim} is not divisible by --heads {self.heads}; each head needs dim/heads features"
+            )
         tp = plan.size("tp")
         if self.heads % tp:
             raise ValueError(
@@ -77,7 +79,9 @@ class _Attention(nn.Module):
         def split_heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x)), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x)), is_causal=True
+        )
         return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
 
 

@@ -72,7 +72,9 @@ def parse_plan(text: str, *, fsdp: bool = False, sequence_parallel: bool = False
                 f"(outermost first), plus optional flags {sorted(_FLAGS)}, e.g. 'dp=256,tp=8,fsdp'"
             )
         if not size_text.strip().isdigit() or int(size_text) < 1:
-            raise ValueError(f"plan {text!r}: the size of mesh dim {name!r} must be a positive integer, got {size_text!r}")
+            raise ValueError(
+                f"plan {text!r}: the size of mesh dim {name!r} must be a positive integer, got {size_text!r}"
+            )
         if any(name == seen for seen, _ in mesh):
             raise ValueError(f"plan {text!r}: mesh dim {name!r} is given twice")
         mesh.append((name, int(size_text)))
@@ -82,7 +84,11 @@ def parse_plan(text: str, *, fsdp: bool = False, sequence_parallel: bool = False
     if order != sorted(order):
         raise ValueError(f"plan {text!r}: list the mesh dims outermost first, in the order {MESH_DIMS}")
     given = dict(mesh)
-    plan = Plan(tuple((name, given.get(name, 1)) for name in MESH_DIMS), fsdp=flags["fsdp"], sequence_parallel=flags["sequence_parallel"])
+    plan = Plan(
+        tuple((name, given.get(name, 1)) for name in MESH_DIMS),
+        fsdp=flags["fsdp"],
+        sequence_parallel=flags["sequence_parallel"],
+    )
     if plan.fsdp and plan.size("dp") == 1:
         raise ValueError(f"plan {text!r}: fsdp shards over the dp mesh dim; add one, e.g. 'dp=8,{text}'")
     if plan.sequence_parallel and plan.size("tp") == 1:

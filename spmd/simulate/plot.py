@@ -29,6 +29,7 @@ def plot_reports(reports: Sequence[PlanReport], path: str) -> None:
     """Write a two-panel PNG: stacked memory (GiB per rank) and collective bytes and ring time per step."""
     require_matplotlib()
     import matplotlib.pyplot as plt
+
     names = [r.plan for r in reports]
     xs = range(len(reports))
     fig, (memory, comm) = plt.subplots(1, 2, figsize=(max(8.0, 2.5 * len(reports) + 4), 4.5))

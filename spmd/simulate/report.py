@@ -17,7 +17,15 @@ from spmd.simulate.plan import Link, Links
 from spmd.tensor import DeviceMesh
 from spmd.tensor.comm import CollectiveRecord
 
-__all__ = ["CollectiveStat", "PlanReport", "collective_stats", "ring_seconds", "format_report", "format_comparison", "human_bytes"]
+__all__ = [
+    "CollectiveStat",
+    "PlanReport",
+    "collective_stats",
+    "ring_seconds",
+    "format_report",
+    "format_comparison",
+    "human_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +108,8 @@ def collective_stats(records: Iterable[CollectiveRecord], mesh: DeviceMesh, link
     return tuple(
         CollectiveStat(kind, dim, sizes[(dim, kind)], int(count), int(nbytes), seconds)
         for (dim, kind), (count, nbytes, seconds) in sorted(
-            totals.items(), key=lambda item: (order.index(item[0][0]) if item[0][0] in order else len(order), item[0][1])
+            totals.items(),
+            key=lambda item: (order.index(item[0][0]) if item[0][0] in order else len(order), item[0][1]),
         )
     )
 
@@ -138,10 +147,10 @@ def format_report(report: PlanReport) -> str:
         "collectives per training step",
         f"  {'mesh dim':<10}{'collective':<16}{'group':>7}{'count':>8}{'bytes':>14}{'time (ring)':>14}",
     ]
-    for c in report.collectives:
-        lines.append(
-            f"  {c.mesh_dim:<10}{c.kind:<16}{c.group_size:>7}{c.count:>8}{human_bytes(c.bytes):>14}{human_seconds(c.seconds):>14}"
-        )
+    lines += [
+        f"  {c.mesh_dim:<10}{c.kind:<16}{c.group_size:>7}{c.count:>8}{human_bytes(c.bytes):>14}{human_seconds(c.seconds):>14}"
+        for c in report.collectives
+    ]
     lines.append(
         f"  {'total':<10}{'':<16}{'':>7}{report.comm_count:>8}{human_bytes(report.comm_bytes):>14}"
         f"{human_seconds(report.comm_seconds):>14}"
@@ -156,11 +165,11 @@ def format_comparison(reports: Sequence[PlanReport]) -> str:
         f"{'plan':<{width}}{'ranks':>7}{'params':>12}{'grads':>12}{'optimizer':>12}{'activations':>13}"
         f"{'peak':>12}{'collectives':>13}{'comm bytes':>13}{'comm time':>12}"
     )
-    lines = [header]
-    for r in reports:
-        lines.append(
-            f"{r.plan:<{width}}{r.world_size:>7}{human_bytes(r.state.params):>12}{human_bytes(r.state.grads):>12}"
-            f"{human_bytes(r.state.optimizer):>12}{human_bytes(r.activations_peak):>13}{human_bytes(r.peak):>12}"
-            f"{r.comm_count:>13}{human_bytes(r.comm_bytes):>13}{human_seconds(r.comm_seconds):>12}"
-        )
+    rows = [
+        f"{r.plan:<{width}}{r.world_size:>7}{human_bytes(r.state.params):>12}{human_bytes(r.state.grads):>12}"
+        f"{human_bytes(r.state.optimizer):>12}{human_bytes(r.activations_peak):>13}{human_bytes(r.peak):>12}"
+        f"{r.comm_count:>13}{human_bytes(r.comm_bytes):>13}{human_seconds(r.comm_seconds):>12}"
+        for r in reports
+    ]
+    lines = [header, *rows]
     return "\n".join(lines)

@@ -113,7 +113,9 @@ def test_cli_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_without_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     assert main(["--mesh", "dp=2", "--plot", "x.png"]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err

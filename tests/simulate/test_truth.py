@@ -111,7 +111,11 @@ def test_world_4_threads_every_rank(overrides: dict[str, Any]) -> None:
         assert_same(real, simulated_step(cfg, rank), rank)
 
 
-@pytest.mark.parametrize("overrides", [{"dp": 4, "tp": 2, "fsdp": True}, {"dp": 2, "tp": 4, "sequence_parallel": True}], ids=["dp4xtp2-fsdp", "dp2xtp4-sp"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{"dp": 4, "tp": 2, "fsdp": True}, {"dp": 2, "tp": 4, "sequence_parallel": True}],
+    ids=["dp4xtp2-fsdp", "dp2xtp4-sp"],
+)
 def test_world_8_threads(overrides: dict[str, Any]) -> None:
     cfg = demo.Config(**overrides)
     per_rank = _threaded_real(cfg)
