@@ -9,6 +9,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     nn,
     optim,
     pointwise,
+    pooling,
     random_ops,
     reductions,
     reductions_scan,
