@@ -52,10 +52,6 @@ DIFFERENCES: dict[str, str] = {
     "torch.distributed.tensor.debug.CommDebugMode.generate_json_dump": (
         "torch's JSON for its browser viewer; ours prints generate_comm_debug_tracing_table()"
     ),
-    "torch.distributed.tensor.debug.CommDebugMode.get_parameter_info": (
-        "module parameter tracking is torch's ModTracker's; visualize_sharding / sharding_table show layouts"
-    ),
-    "torch.distributed.tensor.debug.CommDebugMode.get_sharding_info": "as get_parameter_info",
     "torch.distributed.tensor.debug.visualize_sharding": (
         "file= keyword instead of use_rich= (we print plain text, never through rich)"
     ),

@@ -143,10 +143,12 @@ class CommDebugMode:
         self._thread = 0
         self._modules = _ModuleStack()
         self._handles: list[Any] = []
+        self._parameters: dict[str, dict[str, torch.Tensor]] = {}
 
     # ----- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Self:
         self.events = []
+        self._parameters = {}
         self._rank = current_rank_or_none()
         self._thread = threading.get_ident()
         add_comm_observer(self._observe)
@@ -173,6 +175,10 @@ class CommDebugMode:
             return
         name = self._modules.name_of(module)
         self._modules.stack.append(name)
+        if self._modules.backward_depth == 0:
+            own = dict(module.named_parameters(recurse=False))
+            if own:
+                self._parameters[name] = {key: param.data for key, param in own.items()}
         # Leave after the module's own forward hooks (a TP style's output redistribute runs in
         # one): a hook registered now runs after those, while global hooks would run before.
         handles: list[Any] = []
@@ -278,6 +284,19 @@ class CommDebugMode:
                 counts = table.setdefault(name, {"forward": CommCounts(), "backward": CommCounts()})[phase]
                 counts[e.kind] = counts.get(e.kind, 0) + 1
         return table
+
+    def get_parameter_info(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{module FQN: {parameter name: its data}}`` for the modules that ran forward while active."""
+        return {name: dict(params) for name, params in self._parameters.items()}
+
+    def get_sharding_info(self) -> dict[str, tuple[Any, ...]]:
+        """``{"module FQN.parameter": placements}`` for the DTensor parameters of those modules."""
+        return {
+            f"{name}.{key}": data.placements
+            for name, params in self._parameters.items()
+            for key, data in params.items()
+            if hasattr(data, "placements")  # a DTensor, by duck typing: the debug tools sit above dtensor
+        }
 
     # ----- reports ---------------------------------------------------------------------------------
     def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:

@@ -157,6 +157,17 @@ class CommDebugModeTest(DTensorTestBase):
             counts["all_gahter"]
         self.assertEqual(comm.comm_module_counts["Global"]["forward"][funcol.all_reduce], 1)
 
+    @with_comms
+    def test_parameter_and_sharding_info_of_the_modules_that_ran(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        model = Wrapper(mesh)
+        with CommDebugMode() as comm:
+            model(distribute_tensor(seeded(4, 8, seed=3), mesh, [Replicate()]))
+        self.assertEqual({k: set(v) for k, v in comm.get_parameter_info().items()}, {"Wrapper.mlp": {"up", "down"}})
+        up = comm.get_parameter_info()["Wrapper.mlp"]["up"]
+        self.assertEqual(up.to_local().data_ptr(), model.mlp.up.to_local().data_ptr())  # the parameter's own data
+        self.assertEqual(comm.get_sharding_info(), {"Wrapper.mlp.up": (Shard(1),), "Wrapper.mlp.down": (Shard(0),)})
+
     def test_the_table_goes_to_a_file_like_torchs(self) -> None:
         comm = CommDebugMode()
         with tempfile.TemporaryDirectory() as tmp:
