@@ -2,6 +2,7 @@
 
 from spmd.tensor import (
     debug,  # noqa: F401  (applies SPMD_DEBUG / SPMD_DEBUG_RANKS from the environment)
+    dispatch,  # noqa: F401  (installs the dispatcher that runs aten ops on DTensors)
     ops,  # noqa: F401  (registers every sharding rule)
     serialization,  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 )

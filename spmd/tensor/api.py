@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from spmd.tensor.collectives import broadcast_from, local_chunk, partition_value, scatter_from
 from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn"]
@@ -53,35 +54,20 @@ def distribute_tensor(
         local = local.to(device_mesh.device_type)
     coordinate = device_mesh._require_coordinate()
     for d, p in enumerate(placements):
-        index = coordinate[d]
-        n = device_mesh.size(d)
         if isinstance(p, Shard):
-            sizes = shard_sizes(local.size(p.dim), n)
-            pieces = list(torch.split(local, sizes, dim=p.dim)) if local.size(p.dim) else [local] * n
             if src_data_rank is None:
-                local = pieces[index].contiguous()
-                continue
-            width = sizes[0]
-            padded = [_pad_to(piece, p.dim, width) for piece in pieces]
-            block = device_mesh.get_communicator(d).scatter(torch.stack(padded), 0)
-            local = block.narrow(p.dim, 0, sizes[index]).contiguous()
-        else:
-            if src_data_rank is not None:
-                local = device_mesh.get_communicator(d).broadcast(local, 0)
-            if isinstance(p, Partial) and p.reduce_op == "sum" and index != 0:
-                local = torch.zeros_like(local)
+                local = local_chunk(local, device_mesh.size(d), coordinate[d], p.dim)
+            else:
+                local = scatter_from(device_mesh, d, local, p.dim)
+            continue
+        if src_data_rank is not None:
+            local = broadcast_from(device_mesh, d, local)
+        if isinstance(p, Partial):
+            local = partition_value(local, p.reduce_op, coordinate[d])
     if local is tensor:
         local = local.clone()
     meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
-
-
-def _pad_to(piece: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    if piece.size(dim) == width:
-        return piece
-    shape = list(piece.shape)
-    shape[dim] = width - piece.size(dim)
-    return torch.cat([piece, piece.new_zeros(shape)], dim)
 
 
 def distribute_module(
@@ -187,9 +173,8 @@ def _factory(
     local = fill(local_shape, dtype).to(device_mesh.device_type)
     coordinate = device_mesh._require_coordinate()
     for d, p in enumerate(placements):
-        # A sum-partial constant lives on coordinate 0 only, so the reduction gives the constant.
-        if zero_partials and isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[d] != 0:
-            local = torch.zeros_like(local)
+        if zero_partials and isinstance(p, Partial):
+            local = partition_value(local, p.reduce_op, coordinate[d])
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 

@@ -7,11 +7,14 @@ Each rank holds its local shard (``to_local()``) and a frozen ``DTensorSpec``. A
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from spmd.tensor.collectives import agree, broadcast_from
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
 from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
@@ -23,7 +26,7 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
-__all__ = ["DTensor"]
+__all__ = ["DTensor", "implicit_replication", "set_dispatch"]
 
 
 class DTensor(torch.Tensor):
@@ -49,7 +52,6 @@ class DTensor(torch.Tensor):
             strides=meta.stride,
             dtype=meta.dtype,
             device=local_tensor.device,
-            layout=local_tensor.layout,
             requires_grad=requires_grad,
         )
         r._local_tensor = local_tensor
@@ -73,15 +75,13 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        return _dispatcher().dispatch(func, args, kwargs or {})
+        return _dispatch[0](func, args, kwargs or {})
 
     # ----- indexing with Python lists ---------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
         """``x[[0, 2]]``: torch turns the list into a plain index tensor before dispatch; a list in
         the program is the same on every rank, so that tensor counts as replicated."""
         if _is_list_index(index):
-            from spmd.tensor.dispatch import implicit_replication
-
             with implicit_replication():
                 return super().__getitem__(index)
         return super().__getitem__(index)
@@ -90,8 +90,6 @@ class DTensor(torch.Tensor):
         """``x[[0, 2]] = v`` as ``__getitem__``; a plain (not 0-d) tensor ``v`` must still be distributed."""
         plain_value = isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.ndim > 0
         if _is_list_index(index) and not plain_value:
-            from spmd.tensor.dispatch import implicit_replication
-
             with implicit_replication():
                 super().__setitem__(index, value)
             return
@@ -204,17 +202,6 @@ def _is_list_index(index: Any) -> bool:
     return not plain and any(isinstance(i, list) for i in parts)
 
 
-def _dispatcher() -> Any:
-    """The dispatcher, imported on first use (it imports this module)."""
-    global _DISPATCHER
-    if _DISPATCHER is None:
-        from spmd.tensor.dispatch import DISPATCHER
-
-        _DISPATCHER = DISPATCHER
-    return _DISPATCHER
-
-
-_DISPATCHER: Any = None
 
 
 def _infer_global_shape(
@@ -231,13 +218,9 @@ def _check_and_gather_shape(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
 ) -> tuple[int, ...]:
     """run_check: compare every rank's local meta and return the global shape it implies."""
-    # Gather (coordinate, local shape, dtype) from the whole mesh, one mesh dim at a time.
+    # (coordinate, local shape, dtype) of every rank of the mesh
     entry = (mesh._require_coordinate(), tuple(local.shape), str(local.dtype))
-    gathered: list[Any] = [entry]
-    for d in range(mesh.ndim):
-        comm = mesh.get_communicator(d)
-        gathered = [item for part in comm.all_gather_object(gathered) for item in part]
-    metas: list[tuple[tuple[int, ...], tuple[int, ...], str]] = gathered
+    metas: list[tuple[tuple[int, ...], tuple[int, ...], str]] = agree(mesh, range(mesh.ndim), entry)
     dtypes = {m[2] for m in metas}
     if len(dtypes) != 1:
         raise ValueError(f"from_local: ranks passed local tensors of different dtypes {sorted(dtypes)}")
@@ -287,7 +270,7 @@ class _FromLocal(torch.autograd.Function):
             global_shape = _check_and_gather_shape(local, mesh, placements, shape)
             for d, p in enumerate(placements):
                 if isinstance(p, Replicate):
-                    local = mesh.get_communicator(d).broadcast(local.detach(), 0)
+                    local = broadcast_from(mesh, d, local.detach())
         elif shape is not None:
             global_shape = tuple(shape)
         else:
@@ -331,3 +314,40 @@ class _ToLocal(torch.autograd.Function):
             spec.mesh, tuple(placements), TensorMeta(spec.shape, contiguous_strides(spec.shape), grad.dtype)
         )
         return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+def _no_dispatcher(func: Any, args: Any, kwargs: Any) -> Any:
+    raise RuntimeError("spmd.tensor.dispatch was not imported; import spmd.tensor to use DTensor ops")
+
+
+_dispatch: list[Callable[[Any, Any, Any], Any]] = [_no_dispatcher]
+"""The function ``__torch_dispatch__`` hands aten calls to; spmd.tensor.dispatch installs itself."""
+
+
+def set_dispatch(fn: Callable[[Any, Any, Any], Any]) -> None:
+    """Make ``fn(op, args, kwargs)`` the handler of every aten op on a DTensor (spmd.tensor.dispatch)."""
+    _dispatch[0] = fn
+
+
+class _ImplicitReplication(threading.local):
+    enabled = False
+
+
+_implicit = _ImplicitReplication()
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Treat plain tensors mixed with DTensors as replicated (every rank must hold the same values)."""
+    was = _implicit.enabled
+    _implicit.enabled = True
+    try:
+        yield
+    finally:
+        _implicit.enabled = was
+
+
+def plain_tensors_allowed() -> bool:
+    """Whether a plain tensor among DTensors may be read as replicated: inside ``implicit_replication()``,
+    or inside backward, where autograd's own formulas make them alike on every rank."""
+    return _implicit.enabled or torch._C._current_graph_task_id() != -1

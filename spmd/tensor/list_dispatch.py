@@ -18,16 +18,16 @@ import torch
 from spmd.tensor.call_layout import (
     AMBIGUOUS_KEYS,
     DECISION_CACHE_LIMIT,
-    SCALAR_TENSOR,
     flatten_call,
     mesh_mismatch_error,
     unflatten_call,
+    unwrap_call,
 )
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.foreach import ListRule
-from spmd.tensor.ops.registry import REGISTRY, OpCall
+from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
 from spmd.tensor.placement import Placement, format_placements
-from spmd.tensor.propagation import Decision, ShardingError, is_inplace
+from spmd.tensor.propagation import Decision, ShardingError
 from spmd.tensor.redistribute import moves_data, redistribute_local
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
@@ -35,17 +35,10 @@ from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
 if TYPE_CHECKING:
     from spmd.tensor.dispatch import Dispatcher
 
-__all__ = ["LIST_OP", "is_list_op", "dispatch_list"]
+__all__ = ["dispatch_list"]
 
-LIST_OP = "list-op"
-"""Marks list ops in the dispatcher's per-op table (they take the list path)."""
 _LIST_SCALARS = (bool, int, float, complex)
 _PLAIN_TENSOR = "plain-tensor"
-
-
-def is_list_op(op: Any) -> bool:
-    """Ops with a list rule, and every ``_foreach_*`` op (those without a rule get a clear error)."""
-    return isinstance(REGISTRY.rule_for(op), ListRule) or op._schema.name.startswith("aten::_foreach_")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,32 +101,17 @@ def _check_lists(op: Any, leaves: list[Any], names: list[str], shape: tuple[Any,
             )
 
 
-def _element_key(op: Any, shape: tuple[Any, ...], leaves: list[Any]) -> tuple[Any, ...]:
-    """The decision-cache key of one element call, as ``Dispatcher.dispatch`` builds it."""
-    parts: list[Any] = [op, shape]
-    for a in leaves:
-        if isinstance(a, DTensor):
-            parts.append(a._spec)
-        elif isinstance(a, torch.Tensor):
-            parts.append((SCALAR_TENSOR, a.dtype))
-        elif type(a) in AMBIGUOUS_KEYS:
-            parts.append((type(a), a))
-        else:
-            parts.append(a)
-    return tuple(parts)
-
-
-def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dispatch_list(dispatcher: Dispatcher, entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A list op (``_foreach_*``, fused optimizers): decide each position like its element op,
     move the inputs that need it, run the list kernel once on the local tensors, wrap each output."""
-    rule = dispatcher.propagator.registry.rule_for(op)
+    op, rule = entry.op, entry.rule
     if not isinstance(rule, ListRule):
         raise ShardingError(
             f"{op} has no list rule; run the optimizer or clip_grad_norm_ with foreach=False, or "
             "register a ListRule in spmd/tensor/ops/foreach.py"
         )
     leaves, shape = flatten_call(args, kwargs)
-    key_parts: list[Any] = [LIST_OP, op, shape]
+    key_parts: list[Any] = [entry, shape]
     positions: list[int] = []
     mesh: Any = None
     for i, a in enumerate(leaves):
@@ -153,21 +131,18 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
             key_parts.append((type(a), a))
         else:
             key_parts.append(a)
-    if REGISTRY.version != dispatcher._registry_version:
-        dispatcher.clear_cache()
-        dispatcher._registry_version = REGISTRY.version
     key = tuple(key_parts)
-    entry = dispatcher._list_cache.get(key)
-    hit = entry is not None
-    if entry is None:
+    cached = dispatcher.list_cache.get(key)
+    hit = cached is not None
+    if cached is None:
         dispatcher.misses += 1
-        entry = decide_list(dispatcher, op, rule, leaves, shape, list(kwargs), positions)
-        if len(dispatcher._list_cache) >= DECISION_CACHE_LIMIT:
-            dispatcher._list_cache.clear()
-        dispatcher._list_cache[key] = entry
+        cached = decide_list(dispatcher, entry, rule, leaves, shape, list(kwargs), positions)
+        if len(dispatcher.list_cache) >= DECISION_CACHE_LIMIT:
+            dispatcher.list_cache.clear()
+        dispatcher.list_cache[key] = cached
     else:
         dispatcher.hits += 1
-    decision, write_back = entry
+    decision, write_back = cached
     if decision.decomposition is not None:  # the list op runs as other list ops (each dispatched here)
         if STATE.verbose:
             log_decomposition(op, [leaves[i]._spec for i in positions], decision, hit)
@@ -180,7 +155,7 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
         if STATE.verbose:
             log_decision(op, [leaves[i]._spec for i in positions], decision, hit)
         if decision.moves:
-            dispatcher._move_inputs(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
+            dispatcher.redistribute_moved(leaves, local_leaves, positions, decision, verbose=STATE.verbose)
             for n in decision.moves:  # fused CPU kernels read their tensors as flat arrays
                 local_leaves[positions[n]] = local_leaves[positions[n]].contiguous()
         local_args, local_kwargs = unflatten_call(local_leaves, shape, list(kwargs))
@@ -197,8 +172,8 @@ def dispatch_list(dispatcher: Dispatcher, op: Any, args: tuple[Any, ...], kwargs
     ]
 
 def decide_list(
-dispatcher: Dispatcher,
-    op: Any,
+    dispatcher: Dispatcher,
+    entry: OpEntry,
     rule: ListRule,
     leaves: list[Any],
     shape: tuple[Any, ...],
@@ -206,13 +181,14 @@ dispatcher: Dispatcher,
     positions: list[int],
 ) -> tuple[Decision, tuple[int, ...]]:
     """Decide every list position like its element op; returns the decision and the written-back inputs."""
+    op = entry.op
     names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
     _check_lists(op, leaves, names, shape)
-    if dispatcher.propagator.registry.decomposition_for(op) is not None:
+    if entry.decompose is not None:
         spec_leaves = [a._spec if isinstance(a, DTensor) else a for a in leaves]
         spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
         specs = tuple(leaves[i]._spec for i in positions)
-        decomposed = dispatcher.propagator.decompose(OpCall(op, tuple(spec_args), spec_kwargs, specs, ()))
+        decomposed = dispatcher.propagator.decompose(OpCall(op, tuple(spec_args), spec_kwargs, specs, ()), entry)
         if decomposed is not None:
             return decomposed, ()
     # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
@@ -243,14 +219,10 @@ dispatcher: Dispatcher,
                 f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
                 "make the tensors at every position DTensors"
             )
-        element_key = _element_key(element_op, element_shape, element_leaves)
-        decision = dispatcher._cache.get(element_key)
-        if decision is None:
-            try:
-                decision = dispatcher._propagate(element_op, element_leaves, element_shape, list(element_kwargs), element_positions)
-            except ShardingError as error:
-                raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
-            dispatcher._cache[element_key] = decision
+        try:
+            decision = _element_decision(dispatcher, element_op, element_leaves, element_shape, list(element_kwargs))
+        except ShardingError as error:
+            raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
         if decision.decomposition is not None:
             raise ShardingError(
                 f"{op} at list position {index} is decided like {element_op}, which runs as other ops on "
@@ -284,10 +256,27 @@ dispatcher: Dispatcher,
         output_metas=tuple(output_metas),
         strategies=tuple(strategies),
         cost=cost,
-        inplace=is_inplace(op),
+        inplace=entry.inplace,
         moves=moves,
         output_specs=tuple(
             None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
         ),
     )
     return decision, write_back
+
+
+def _element_decision(
+    dispatcher: Dispatcher, element_op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str]
+) -> Decision:
+    """The element call's decision, through the dispatcher's cache (keyed as a direct call of it is)."""
+    element = REGISTRY.entry(element_op)
+    args, kwargs = unflatten_call(leaves, shape, kwarg_names)
+    call = unwrap_call(element, tuple(args), kwargs)
+    assert call is not None  # plain tensors were refused above
+    decision = dispatcher.cache.get(call.key)
+    if decision is None:
+        decision = dispatcher.propagator.decide_call(
+            element, call.leaves, call.shape, call.kwarg_names(), call.positions, fallback=False
+        )
+        dispatcher.cache[call.key] = decision
+    return decision

@@ -1,4 +1,7 @@
-"""Sharding propagation: ask the op's rule for candidates and pick the cheapest, mesh dim by mesh dim.
+"""Sharding propagation: from one call's specs to a complete ``Decision`` the dispatcher executes.
+
+The propagator asks the op's rule for candidates and picks the cheapest, mesh dim by mesh dim;
+an op without a rule takes the replicate fallback (when on and safe) or raises ``ShardingError``.
 
 For every mesh dim the propagator costs each candidate as the bytes it would take to move every
 input from its current placement to the one the candidate needs (``redistribute_cost``) and keeps
@@ -7,18 +10,23 @@ the cheapest; ties go to the rule's earlier candidate, so the choice is determin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spmd.tensor.ops.registry import REGISTRY, Expansion, OpCall, OpRegistry, OpStrategy
-from spmd.tensor.placement import Placement, Shard, format_placements
-from spmd.tensor.redistribute import redistribute_cost
+from spmd.tensor.call_layout import unflatten_call
+from spmd.tensor.ops.registry import REGISTRY, Expansion, OpCall, OpEntry, OpRegistry, OpStrategy
+from spmd.tensor.placement import Placement, Replicate, Shard, format_placements
+from spmd.tensor.redistribute import moves_data, redistribute_cost
 from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.trace import FALLBACKS
 
-__all__ = ["Decision", "ShardingPropagator", "ShardingError"]
+__all__ = ["Decision", "ShardingPropagator", "ShardingError", "is_inplace", "fallback_refusal"]
+
+fallback_logger = logging.getLogger("spmd.tensor.dispatch")
 
 
 class ShardingError(NotImplementedError):
@@ -27,7 +35,7 @@ class ShardingError(NotImplementedError):
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What the dispatcher does for one (op, input specs, args) key."""
+    """What the dispatcher does for one (op, input specs, args) key; complete when made."""
 
     input_placements: tuple[tuple[Placement, ...], ...]
     output_placements: tuple[tuple[Placement, ...] | None, ...]
@@ -43,9 +51,9 @@ class Decision:
     local_impl: Any = None
     """The op's ``LocalImpl`` hook, if it computes its local result itself."""
     moves: tuple[int, ...] = ()
-    """Indices of the inputs whose placements must change (filled in by the dispatcher)."""
+    """Indices of the inputs whose local tensors must change (a one-rank mesh dim only relabels)."""
     output_specs: tuple[DTensorSpec | None, ...] = ()
-    """Ready-made output specs (filled in by the dispatcher; the mesh compares by value)."""
+    """Ready-made output specs (None for non-tensor outputs)."""
     view_of_copy: bool = False
     """A view op whose input is redistributed first: its output aliases a copy, not the input."""
     decomposition: Expansion | None = None
@@ -65,29 +73,12 @@ def _local_bytes(spec: DTensorSpec) -> int:
 
 def is_inplace(op: Any) -> bool:
     """Aten in-place overloads (``add_``, ``copy_``) mutate and return their first argument."""
-    name: str = op._schema.name
-    return name.endswith("_") and not name.endswith("__")
+    return REGISTRY.entry(op).inplace
 
 
 def fallback_refusal(op: Any) -> str | None:
-    """Why the replicate fallback would be wrong for ``op``, or None when it is safe.
-
-    Random ops would draw different numbers on every rank; ``out=`` ops would write into a
-    temporary copy instead of the caller's tensor; views (``diagonal``, ``_conj``) would alias the
-    gathered copy, so writes through them would be lost; in-place views (``squeeze_``) would
-    change the copy's shape, not the DTensor's.
-    """
-    if torch.Tag.nondeterministic_seeded in op.tags:
-        return "it is random, so replicas would disagree"
-    if torch.Tag.inplace_view in op.tags:
-        return "it changes the tensor's shape in place; use the out-of-place op (x = x.squeeze(d))"
-    if any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns):
-        return "it returns a view of its input, which must alias the DTensor itself"
-    arguments = op._schema.arguments
-    writes = [a.name for a in arguments[1 if is_inplace(op) else 0 :] if a.alias_info is not None and a.alias_info.is_write]
-    if writes:
-        return f"it writes into its {', '.join(writes)} argument"
-    return None
+    """Why the replicate fallback would be wrong for ``op``, or None when it is safe (see ``OpEntry``)."""
+    return REGISTRY.entry(op).no_fallback
 
 
 class ShardingPropagator:
@@ -96,9 +87,100 @@ class ShardingPropagator:
     def __init__(self, registry: OpRegistry = REGISTRY) -> None:
         self.registry = registry
 
+    # ----- the whole decision for one call -------------------------------------------------------
+    def decide_call(
+        self,
+        entry: OpEntry,
+        leaves: Sequence[Any],
+        shape: tuple[Any, ...],
+        kwarg_names: Sequence[str],
+        positions: Sequence[int],
+        *,
+        fallback: bool,
+    ) -> Decision:
+        """The complete decision for a call, given as flattened leaves (see call_layout.py).
+
+        ``fallback``: an op without a rule (or an in-place op whose rule cannot keep self's
+        layout) runs on replicated inputs, where that is safe, instead of raising.
+        """
+        if fallback and entry.rule is None:
+            if entry.no_fallback is None:
+                return self.fallback_decision(entry, leaves, positions, why="has no sharding rule")
+            specs = ", ".join(
+                f"{format_placements(leaves[i]._spec.placements)} {list(leaves[i]._spec.shape)}" for i in positions
+            )
+            raise ShardingError(
+                f"{entry.op} has no sharding rule (inputs {specs}) and the replicate fallback does not apply: "
+                f"{entry.no_fallback}; register a rule in spmd/tensor/ops/ or run the op on .to_local() tensors"
+            )
+        call = self.make_call(entry.op, leaves, shape, kwarg_names, positions)
+        try:
+            return self.decompose(call, entry) or self.decide(call, entry)
+        except ShardingError:
+            # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
+            # written back into self's shard.
+            if fallback and entry.inplace and entry.no_fallback is None:
+                return self.fallback_decision(entry, leaves, positions, why="cannot keep self's placement")
+            raise
+
+    def fallback_decision(self, entry: OpEntry, leaves: Sequence[Any], positions: Sequence[int], *, why: str) -> Decision:
+        """Every input replicated, the op run on whole tensors, outputs Replicate (warned once per op)."""
+        mesh = leaves[positions[0]]._spec.mesh
+        replicate = (Replicate(),) * mesh.ndim
+        if FALLBACKS.warn_once(entry.op):
+            fallback_logger.warning(
+                "%s %s; it runs on replicated inputs (every input is gathered). "
+                "Register a rule in spmd/tensor/ops/ to keep it sharded. Warned once per op and process; "
+                "spmd.tensor.debug.fallback_report() lists every op that fell back, with calls and bytes gathered.",
+                entry.op,
+                why,
+            )
+        return Decision(
+            moves=tuple(
+                n for n, i in enumerate(positions) if moves_data(leaves[i]._spec.placements, replicate, mesh.shape)
+            ),
+            input_placements=(replicate,) * len(positions),
+            output_placements=(),
+            output_metas=(),
+            strategies=(),
+            cost=float("inf"),
+            inplace=entry.inplace,
+            fallback=True,
+        )
+
+    def make_call(
+        self, op: Any, leaves: Sequence[Any], shape: tuple[Any, ...], kwarg_names: Sequence[str], positions: Sequence[int]
+    ) -> OpCall:
+        """What the rule sees of a call: specs in place of DTensors, and the outputs' global metas
+        (from running the op on meta tensors of the global shapes)."""
+        meta_leaves = list(leaves)
+        spec_leaves = list(leaves)
+        for i in positions:
+            spec: DTensorSpec = leaves[i]._spec
+            meta = spec.tensor_meta
+            meta_leaves[i] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+            spec_leaves[i] = spec
+        for i, a in enumerate(leaves):
+            if isinstance(a, torch.Tensor) and i not in positions:
+                meta_leaves[i] = a.to("meta")
+            elif isinstance(a, torch.device):
+                # ``x.to(dtype, device="cpu")`` would copy the meta tensor out; shapes are all we need
+                meta_leaves[i] = torch.device("meta")
+        meta_args, meta_kwargs = unflatten_call(meta_leaves, shape, kwarg_names)
+        try:
+            # an op that returns no tensor (fused optimizers, item()) has no output shape to find
+            meta_out = op(*meta_args, **meta_kwargs) if self.registry.entry(op).returns_tensors else ()
+        except Exception as error:
+            raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
+        outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+        output_metas = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outputs)
+        spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
+        return OpCall(op, tuple(spec_args), spec_kwargs, tuple(leaves[i]._spec for i in positions), output_metas)
+
+    # ----- the rule's candidates ---------------------------------------------------------------
     def candidates(self, call: OpCall) -> list[OpStrategy]:
         """The rule's candidates for ``call`` (raises ``ShardingError`` when the op has no rule)."""
-        rule = self.registry.rule_for(call.op)
+        rule = self.registry.entry(call.op).rule
         if rule is None:
             raise ShardingError(
                 f"{call.op} has no sharding rule (inputs {_describe_inputs(call.input_specs)}); "
@@ -117,13 +199,13 @@ class ShardingPropagator:
         """Each candidate's cost on ``mesh_dim`` (bytes to move the inputs), None where not allowed."""
         specs = call.input_specs
         mesh = specs[0].mesh
-        inplace = is_inplace(call.op)
+        entry = self.registry.entry(call.op)
         # An in-place view keeps self's data where it is but may rename its dims (S(2) -> S(1)).
-        keeps_output = inplace and torch.Tag.inplace_view not in call.op.tags
+        keeps_output = entry.inplace and not entry.inplace_view
         scored: list[tuple[OpStrategy, float | None]] = []
         for candidate in candidates:
             current = specs[0].placements[mesh_dim]
-            if inplace and (candidate.inputs[0] != current or (keeps_output and candidate.outputs[0] != current)):
+            if entry.inplace and (candidate.inputs[0] != current or (keeps_output and candidate.outputs[0] != current)):
                 scored.append((candidate, None))
                 continue
             cost = sum(
@@ -133,34 +215,36 @@ class ShardingPropagator:
             scored.append((candidate, cost))
         return scored
 
-    def decompose(self, call: OpCall) -> Decision | None:
+    def decompose(self, call: OpCall, entry: OpEntry | None = None) -> Decision | None:
         """The decision to run ``call`` as other DTensor ops, when the op's decomposition applies to it.
 
         Asked before ``decide``: nothing moves, and the other ops are decided when they run.
         """
-        decomposition = self.registry.decomposition_for(call.op)
-        expansion = None if decomposition is None else decomposition(call)
+        entry = entry or self.registry.entry(call.op)
+        expansion = None if entry.decompose is None else entry.decompose(call)
         if expansion is None:
             return None
         placements = tuple(s.placements for s in call.input_specs)
-        return Decision(placements, (), (), (), 0.0, is_inplace(call.op), decomposition=expansion)
+        return Decision(placements, (), (), (), 0.0, entry.inplace, decomposition=expansion)
 
-    def decide(self, call: OpCall) -> Decision:
+    def decide(self, call: OpCall, entry: OpEntry | None = None) -> Decision:
+        """The cheapest candidate on every mesh dim, with the moves and output specs it implies."""
+        entry = entry or self.registry.entry(call.op)
         candidates = self.candidates(call)
-        inplace = is_inplace(call.op)
         specs = call.input_specs
+        mesh = specs[0].mesh
         chosen: list[OpStrategy] = []
         total = 0.0
-        for d in range(specs[0].mesh.ndim):
+        for d in range(mesh.ndim):
             allowed = [(c, cost) for c, cost in self.score(call, candidates, d) if cost is not None]
             if not allowed:
-                what = "in-place " if inplace else ""
+                what = "in-place " if entry.inplace else ""
                 raise ShardingError(
                     f"{what}{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
                     f"(candidates: {'; '.join(str(c) for c in candidates) or 'none'}); "
                     + (
                         "an in-place op keeps its self placement, so redistribute self first"
-                        if inplace
+                        if entry.inplace
                         else "redistribute the inputs to a layout the op supports"
                     )
                 )
@@ -169,22 +253,29 @@ class ShardingPropagator:
             chosen.append(best)
             total += best_cost or 0.0
         input_placements = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
-        outputs: list[tuple[Placement, ...] | None] = []
-        for j, meta in enumerate(call.output_metas):
-            if meta is None:
-                outputs.append(None)
-                continue
-            outputs.append(tuple(_output_placement(c, j, call) for c in chosen))
+        outputs = tuple(
+            None if meta is None else tuple(_output_placement(c, j, call) for c in chosen)
+            for j, meta in enumerate(call.output_metas)
+        )
+        # A placement that changes only on one-rank mesh dims is a relabel: the shard is used as it
+        # is (not copied), so a view of it still aliases the input.
+        moves = tuple(n for n, s in enumerate(specs) if moves_data(s.placements, input_placements[n], mesh.shape))
         return Decision(
             input_placements,
-            tuple(outputs),
+            outputs,
             call.output_metas,
             tuple(chosen),
             total,
-            inplace,
-            self.registry.local_args_for(call.op),
-            local_impl=self.registry.local_impl_for(call.op),
-            reshapes_self=inplace and torch.Tag.inplace_view in call.op.tags,
+            entry.inplace,
+            entry.local_args,
+            local_impl=entry.local_impl,
+            moves=moves,
+            output_specs=tuple(
+                None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(outputs, call.output_metas)
+            ),
+            # a view computed by a local_impl (``_conj``) holds new values, so it aliases nothing either
+            view_of_copy=entry.returns_view and (bool(moves) or entry.local_impl is not None),
+            reshapes_self=entry.inplace and entry.inplace_view,
         )
 
 

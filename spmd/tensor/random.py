@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from spmd.tensor.collectives import agree
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.placement import Partial, Placement, Replicate
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset
@@ -78,9 +79,7 @@ def _rank_key(mesh: DeviceMesh) -> tuple[Any, int]:
 
 def _coordinate_zero_seed(mesh: DeviceMesh, seed: int) -> int:
     """The seed held at mesh coordinate 0, passed along each mesh dim in turn."""
-    for d in range(mesh.ndim):
-        seed = int(mesh.get_communicator(d).all_gather_object(seed)[0])
-    return seed
+    return int(agree(mesh, range(mesh.ndim), seed)[0])
 
 
 def _rank_state(mesh: DeviceMesh) -> _RankRNG:

@@ -11,7 +11,8 @@ The plan keeps that true in three passes:
 3. from the first mesh dim to the last, shard and partition into the target (local, no traffic),
    finishing any reduction left.
 
-Every collective is issued here, through the mesh's communicators.
+The steps run through the executor's collectives (spmd/tensor/collectives.py), like every other
+collective the library issues.
 
 A mesh dim of one rank moves no data: that rank holds the whole dim whatever the placement (S(d),
 R and P are the same local tensor), so a change there is a relabel, never a step of a plan.
@@ -26,15 +27,15 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.placement import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    format_placements,
-    shard_offsets,
-    shard_sizes,
+from spmd.tensor.collectives import (
+    all_gather_dim,
+    all_to_all_dims,
+    local_chunk,
+    pad_into_partial,
+    partition_value,
+    reduce_scatter_dim,
 )
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements, shard_sizes
 from spmd.tensor.spec import DTensorSpec
 from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line, op_scope
 
@@ -193,16 +194,7 @@ def moves_data(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: S
     return any(s != d and size > 1 for s, d, size in zip(src, dst, mesh_shape))
 
 
-# ----- executor ------------------------------------------------------------------------------------
-def _pad(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
-    missing = to - tensor.size(dim)
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
-
-
+# ----- running a plan --------------------------------------------------------------------------
 def _level_size(spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int], dim: int, upto: int) -> int:
     """Size of tensor ``dim`` on this rank after the cuts of mesh dims before ``upto``."""
     size = spec.shape[dim]
@@ -211,70 +203,6 @@ def _level_size(spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int
         if isinstance(p, Shard) and p.dim == dim:
             size = shard_sizes(size, spec.mesh.shape[e])[coord[e]]
     return size
-
-
-def _all_gather(local: torch.Tensor, comm: Any, dim: int, full: int) -> torch.Tensor:
-    sizes = shard_sizes(full, comm.size)
-    stacked = comm.all_gather(_pad(local, dim, sizes[0]))
-    if sizes[-1] == sizes[0]:
-        if dim == 0:
-            return stacked.flatten(0, 1)
-        # movedim makes a strided view; later local views (x.view) need a contiguous shard
-        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
-    return torch.cat([stacked[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
-
-
-def _local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tensor:
-    full = local.size(dim)
-    piece = local.narrow(dim, shard_offsets(full, n)[index], shard_sizes(full, n)[index])
-    return piece.clone(memory_format=torch.contiguous_format)
-
-
-def _reduce_scatter(local: torch.Tensor, comm: Any, dim: int, reduce_op: str) -> torch.Tensor:
-    full = local.size(dim)
-    sizes, offsets = shard_sizes(full, comm.size), shard_offsets(full, comm.size)
-    blocks = [_pad(local.narrow(dim, o, s), dim, sizes[0]) for o, s in zip(offsets, sizes)]
-    reduced = comm.reduce_scatter(torch.stack(blocks), reduce_op)
-    return reduced.narrow(dim, 0, sizes[comm.local_rank])
-
-
-def _all_to_all(local: torch.Tensor, comm: Any, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
-    n, me = comm.size, comm.local_rank
-    src_sizes = shard_sizes(full_src, n)
-    dst_full = local.size(dst_dim)
-    dst_sizes, dst_offsets = shard_sizes(dst_full, n), shard_offsets(dst_full, n)
-    blocks = [
-        _pad(_pad(local.narrow(dst_dim, o, s), dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
-        for o, s in zip(dst_offsets, dst_sizes)
-    ]
-    received = comm.all_to_all(torch.stack(blocks))
-    pieces = [
-        received[s].narrow(src_dim, 0, src_sizes[s]).narrow(dst_dim, 0, dst_sizes[me]) for s in range(n)
-    ]
-    return torch.cat(pieces, src_dim)
-
-
-def _pad_into_partial(local: torch.Tensor, n: int, index: int, dim: int, full: int, reduce_op: str) -> torch.Tensor:
-    """Shard -> Partial without traffic: the shard at its offset, the reduction's identity elsewhere."""
-    shape = list(local.shape)
-    shape[dim] = full
-    if reduce_op in ("sum", "avg"):
-        out = local.new_zeros(shape)
-    else:
-        floating = local.is_floating_point()
-        info = torch.finfo(local.dtype) if floating else torch.iinfo(local.dtype)
-        identity = (-torch.inf if floating else info.min) if reduce_op == "max" else (torch.inf if floating else info.max)
-        out = local.new_full(shape, identity)
-    scale = n if reduce_op == "avg" else 1
-    out.narrow(dim, shard_offsets(full, n)[index], local.size(dim)).copy_(local * scale if scale != 1 else local)
-    return out
-
-
-def _partition(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
-    """Replicate -> Partial: a sum keeps the value on coordinate 0 and zeros elsewhere (exact)."""
-    if reduce_op == "sum" and index != 0:
-        return torch.zeros_like(local)
-    return local.clone()
 
 
 def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]) -> torch.Tensor:
@@ -311,19 +239,19 @@ def _run_step(
         comm = mesh.get_communicator(d).with_context(spec, step)  # the check names the step
         full = _level_size(spec, cur, coord, src_p.dim, d)
         if isinstance(dst_p, Shard):
-            return _all_to_all(local, comm, src_p.dim, dst_p.dim, full)
+            return all_to_all_dims(local, comm, src_p.dim, dst_p.dim, full)
         if isinstance(dst_p, Partial):
-            return _pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
-        return _all_gather(local, comm, src_p.dim, full)
+            return pad_into_partial(local, comm.size, coord[d], src_p.dim, full, dst_p.reduce_op)
+        return all_gather_dim(local, comm, src_p.dim, full)
     if isinstance(src_p, Partial):
         comm = mesh.get_communicator(d).with_context(spec, step)
         if isinstance(dst_p, Shard):
-            return _reduce_scatter(local, comm, dst_p.dim, src_p.reduce_op)
+            return reduce_scatter_dim(local, comm, dst_p.dim, src_p.reduce_op)
         return comm.all_reduce(local, src_p.reduce_op)
     if isinstance(dst_p, Shard):
-        return _local_chunk(local, mesh.shape[d], coord[d], dst_p.dim)
+        return local_chunk(local, mesh.shape[d], coord[d], dst_p.dim)
     if isinstance(dst_p, Partial):
-        return _partition(local, dst_p.reduce_op, coord[d])
+        return partition_value(local, dst_p.reduce_op, coord[d])
     return local
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
-from spmd.tensor.comm import Communicator
+from spmd.tensor.collectives import reduce_over
 from spmd.tensor.spec import local_shape_and_offset
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabLayout", "vocab_layout"]
@@ -99,7 +99,7 @@ def vocab_parallel_cross_entropy(
         )
     _check_target_range(local_target, layout.num_classes, ignore_index)
     per_sample = _LocalCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        scores, local_target, full_weight, mesh.get_communicator(layout.vocab_mesh_dim), layout, ignore_index,
+        scores, local_target, full_weight, mesh, layout, ignore_index,
         label_smoothing,
     )
     if reduction == "none":
@@ -157,10 +157,8 @@ def _global_weight_sum(
         local = valid.sum().to(torch.get_default_dtype())
     else:
         local = torch.where(valid, weight[torch.where(valid, target, 0)], 0).sum()
-    for d, p in enumerate(layout.sample_placements):
-        if isinstance(p, Shard):
-            local = mesh.get_communicator(d).all_reduce(local, "sum")
-    return local
+    sharded = [d for d, p in enumerate(layout.sample_placements) if isinstance(p, Shard)]
+    return reduce_over(mesh, sharded, local, "sum")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -176,7 +174,7 @@ class _LocalCrossEntropy(torch.autograd.Function):
         scores: torch.Tensor,
         target: torch.Tensor,
         weight: torch.Tensor | None,
-        comm: Communicator,
+        mesh: DeviceMesh,
         layout: VocabLayout,
         ignore_index: int,
         smoothing: float,
@@ -184,7 +182,7 @@ class _LocalCrossEntropy(torch.autograd.Function):
         x = scores.to(_compute_dtype(scores.dtype))
         width = x.size(-1)
         local_max = x.amax(-1) if width else x.new_full(x.shape[:-1], float("-inf"))
-        shifted = x - comm.all_reduce(local_max, "max").unsqueeze(-1)
+        shifted = x - reduce_over(mesh, [layout.vocab_mesh_dim], local_max, "max").unsqueeze(-1)
         valid = target != ignore_index
         local_index = target - layout.class_offset
         here = valid & (local_index >= 0) & (local_index < width)
@@ -196,7 +194,7 @@ class _LocalCrossEntropy(torch.autograd.Function):
             class_weight = weight.to(x.dtype).narrow(0, layout.class_offset, width)
         if smoothing:
             sums.append((shifted * class_weight).sum(-1) if class_weight is not None else shifted.sum(-1))
-        reduced = comm.all_reduce(torch.stack(sums), "sum")
+        reduced = reduce_over(mesh, [layout.vocab_mesh_dim], torch.stack(sums), "sum")
         log_sum_exp = reduced[0].log()
         target_weight = x.new_ones(()) if weight is None else weight.to(x.dtype)[torch.where(valid, target, 0)]
         target_weight = torch.where(valid, target_weight, 0)

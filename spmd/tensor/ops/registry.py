@@ -1,4 +1,4 @@
-"""The one registry of sharding rules: aten overload -> rule function.
+"""The one registry of sharding rules: aten overload -> ``OpEntry`` (rule, hooks, schema facts).
 
 A rule is a pure function of an ``OpCall`` (the op, its arguments with DTensors replaced by their
 specs, and the global metas of its outputs). It returns the candidate ``OpStrategy`` values for
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.ops.entry import OpEntry
 from spmd.tensor.placement import Placement
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
@@ -26,6 +27,7 @@ __all__ = [
     "LocalImpl",
     "Decomposition",
     "Expansion",
+    "OpEntry",
     "OpRegistry",
     "REGISTRY",
     "register_rule",
@@ -89,15 +91,19 @@ def _overloads(op: Any) -> list[torch._ops.OpOverload]:
 
 
 class OpRegistry:
-    """Maps aten overloads to rules; ``override`` swaps one rule for the length of a ``with``."""
+    """One ``OpEntry`` per aten overload; ``override`` swaps an entry for the length of a ``with``.
+
+    Ops without a rule get an entry too, on first use (their schema facts), so the dispatcher asks
+    one question per call: ``entry(op)``. Every change bumps ``version`` and tells the listeners
+    (decision caches), which drop what they decided.
+    """
 
     def __init__(self) -> None:
-        self._rules: dict[Any, Rule] = {}
-        self._local_args: dict[Any, LocalArgs] = {}
-        self._local_impls: dict[Any, LocalImpl] = {}
-        self._decompositions: dict[Any, Decomposition] = {}
+        self._entries: dict[int, OpEntry] = {}
+        """id(op) -> entry: ``OpOverload.__hash__`` is Python code, an int's hash is not; the entry
+        keeps its op alive, so the id stays its own."""
+        self._listeners: list[Callable[[], None]] = []
         self.version = 0
-        """Bumped on every change so decision caches know to drop their entries."""
 
     def register(
         self,
@@ -116,57 +122,53 @@ class OpRegistry:
         def decorate(rule: Rule) -> Rule:
             for op in ops:
                 for overload in _overloads(op):
-                    self._rules[overload] = rule
-                    if local_args is not None:
-                        self._local_args[overload] = local_args
-                    if local_impl is not None:
-                        self._local_impls[overload] = local_impl
-                    if decompose is not None:
-                        self._decompositions[overload] = decompose
-            self.version += 1
+                    self._entries[id(overload)] = OpEntry.of(
+                        overload, rule, local_args=local_args, local_impl=local_impl, decompose=decompose
+                    )
+            self._changed()
             return rule
 
         return decorate
 
+    def entry(self, op: Any) -> OpEntry:
+        """The entry of ``op``: registered, or made now from its schema (no rule)."""
+        entry = self._entries.get(id(op))
+        if entry is None:
+            entry = self._entries.setdefault(id(op), OpEntry.of(op))
+        return entry
+
     def rule_for(self, op: Any) -> Rule | None:
-        return self._rules.get(op)
-
-    def local_args_for(self, op: Any) -> LocalArgs | None:
-        return self._local_args.get(op)
-
-    def local_impl_for(self, op: Any) -> LocalImpl | None:
-        return self._local_impls.get(op)
-
-    def decomposition_for(self, op: Any) -> Decomposition | None:
-        return self._decompositions.get(op)
+        return self.entry(op).rule
 
     def registered_ops(self) -> list[Any]:
-        return list(self._rules)
+        """Every overload that has a rule."""
+        return [e.op for e in self._entries.values() if e.rule is not None]
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change of an entry (decision caches clear themselves)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        self.version += 1
+        for listener in self._listeners:
+            listener()
 
     @contextlib.contextmanager
     def override(self, op: Any, rule: Rule | None) -> Iterator[None]:
-        """Use ``rule`` for ``op`` (None removes it) inside the block; tests use this, not patching.
+        """Use ``rule`` for ``op`` (None: no rule) inside the block; tests use this, not patching.
 
-        The op's decomposition is set aside too, so the block's rule decides every call.
+        The whole entry is swapped: the op's hooks (its decomposition too) are set aside, so the
+        block's rule decides every call.
         """
-        saved = {o: self._rules.get(o) for o in _overloads(op)}
-        saved_decompositions = {o: self._decompositions.pop(o) for o in saved if o in self._decompositions}
-        for o in saved:
-            if rule is None:
-                self._rules.pop(o, None)
-            else:
-                self._rules[o] = rule
-        self.version += 1
+        saved = {id(o): self.entry(o) for o in _overloads(op)}
+        for key, old in saved.items():
+            self._entries[key] = OpEntry.of(old.op, rule)
+        self._changed()
         try:
             yield
         finally:
-            for o, old in saved.items():
-                if old is None:
-                    self._rules.pop(o, None)
-                else:
-                    self._rules[o] = old
-            self._decompositions.update(saved_decompositions)
-            self.version += 1
+            self._entries.update(saved)
+            self._changed()
 
 
 REGISTRY = OpRegistry()

@@ -1,0 +1,159 @@
+"""The executor's collectives: every collective the library issues goes through these functions.
+
+Two groups:
+
+- the steps of a redistribute plan on one mesh dim (``all_gather_dim``, ``reduce_scatter_dim``,
+  ``all_to_all_dims``) and their local twins (``local_chunk``, ``pad_into_partial``,
+  ``partition_value``), which redistribute.py runs;
+- the small public set the rest of the library uses outside a plan: ``scatter_from`` and
+  ``broadcast_from`` (making a DTensor from one coordinate's data), ``agree`` (small Python values
+  from every rank), ``reduce_over`` (a local tensor reduced over some mesh dims).
+
+Uneven shards travel padded to the largest piece (``pad_dim``), so every backend moves equal
+blocks, the way NCCL wants them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd.tensor.comm import Communicator
+from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.placement import shard_offsets, shard_sizes
+
+__all__ = [
+    "pad_dim",
+    "all_gather_dim",
+    "reduce_scatter_dim",
+    "all_to_all_dims",
+    "local_chunk",
+    "pad_into_partial",
+    "partition_value",
+    "scatter_from",
+    "broadcast_from",
+    "agree",
+    "reduce_over",
+]
+
+
+# ----- the public set ------------------------------------------------------------------------------
+def scatter_from(mesh: DeviceMesh, mesh_dim: int, tensor: torch.Tensor, dim: int, *, src: int = 0) -> torch.Tensor:
+    """This rank's Shard(dim) piece of ``tensor`` as held by coordinate ``src`` of ``mesh_dim``.
+
+    Every member passes a tensor of the same shape (only ``src``'s values matter); pieces follow
+    ``shard_sizes``, so uneven dims work.
+    """
+    comm = mesh.get_communicator(mesh_dim)
+    sizes = shard_sizes(tensor.size(dim), comm.size)
+    pieces = list(torch.split(tensor, sizes, dim=dim)) if tensor.size(dim) else [tensor] * comm.size
+    stacked = torch.stack([pad_dim(piece, dim, sizes[0]) for piece in pieces])
+    block = comm.scatter(stacked, src)
+    return block.narrow(dim, 0, sizes[comm.local_rank]).contiguous()
+
+
+def broadcast_from(mesh: DeviceMesh, mesh_dim: int, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
+    """Coordinate ``src``'s ``tensor`` on every member of ``mesh_dim`` (a new tensor on each)."""
+    return mesh.get_communicator(mesh_dim).broadcast(tensor, src)
+
+
+def agree(mesh: DeviceMesh, mesh_dims: Sequence[int], value: Any) -> list[Any]:
+    """Every rank's ``value`` over the sub-mesh of ``mesh_dims``; the first is coordinate 0's.
+
+    For small Python values (shapes, seeds): gathered one mesh dim at a time, so the first mesh
+    dim varies fastest in the result.
+    """
+    gathered = [value]
+    for d in mesh_dims:
+        gathered = [item for part in mesh.get_communicator(d).all_gather_object(gathered) for item in part]
+    return gathered
+
+
+def reduce_over(mesh: DeviceMesh, mesh_dims: Sequence[int], tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """``tensor`` reduced with ``reduce_op`` over every rank of the sub-mesh of ``mesh_dims``."""
+    for d in mesh_dims:
+        tensor = mesh.get_communicator(d).all_reduce(tensor, reduce_op)
+    return tensor
+
+
+# ----- redistribute steps on one mesh dim ----------------------------------------------------------
+def pad_dim(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+    """``tensor`` grown to ``to`` along ``dim`` with zeros (uneven shards travel padded to the largest)."""
+    missing = to - tensor.size(dim)
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+
+
+def all_gather_dim(local: torch.Tensor, comm: Communicator, dim: int, full: int) -> torch.Tensor:
+    """Shard(dim) -> Replicate over ``comm``: the whole ``full``-long dim from every member's piece."""
+    sizes = shard_sizes(full, comm.size)
+    stacked = comm.all_gather(pad_dim(local, dim, sizes[0]))
+    if sizes[-1] == sizes[0]:
+        if dim == 0:
+            return stacked.flatten(0, 1)
+        # movedim makes a strided view; later local views (x.view) need a contiguous shard
+        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+    return torch.cat([stacked[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
+
+
+def local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tensor:
+    """Replicate -> Shard(dim): piece ``index`` of ``n`` (no traffic), contiguous."""
+    full = local.size(dim)
+    piece = local.narrow(dim, shard_offsets(full, n)[index], shard_sizes(full, n)[index])
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def reduce_scatter_dim(local: torch.Tensor, comm: Communicator, dim: int, reduce_op: str) -> torch.Tensor:
+    """Partial -> Shard(dim) over ``comm``: each member keeps its reduced piece."""
+    full = local.size(dim)
+    sizes, offsets = shard_sizes(full, comm.size), shard_offsets(full, comm.size)
+    blocks = [pad_dim(local.narrow(dim, o, s), dim, sizes[0]) for o, s in zip(offsets, sizes)]
+    reduced = comm.reduce_scatter(torch.stack(blocks), reduce_op)
+    return reduced.narrow(dim, 0, sizes[comm.local_rank])
+
+
+def all_to_all_dims(local: torch.Tensor, comm: Communicator, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim) over ``comm`` in one all_to_all."""
+    n, me = comm.size, comm.local_rank
+    src_sizes = shard_sizes(full_src, n)
+    dst_full = local.size(dst_dim)
+    dst_sizes, dst_offsets = shard_sizes(dst_full, n), shard_offsets(dst_full, n)
+    blocks = [
+        pad_dim(pad_dim(local.narrow(dst_dim, o, s), dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
+        for o, s in zip(dst_offsets, dst_sizes)
+    ]
+    received = comm.all_to_all(torch.stack(blocks))
+    pieces = [received[s].narrow(src_dim, 0, src_sizes[s]).narrow(dst_dim, 0, dst_sizes[me]) for s in range(n)]
+    return torch.cat(pieces, src_dim)
+
+
+def pad_into_partial(local: torch.Tensor, n: int, index: int, dim: int, full: int, reduce_op: str) -> torch.Tensor:
+    """Shard -> Partial without traffic: the shard at its offset, the reduction's identity elsewhere."""
+    shape = list(local.shape)
+    shape[dim] = full
+    if reduce_op in ("sum", "avg"):
+        out = local.new_zeros(shape)
+    else:
+        floating = local.is_floating_point()
+        info = torch.finfo(local.dtype) if floating else torch.iinfo(local.dtype)
+        identity = (
+            (-torch.inf if floating else info.min) if reduce_op == "max" else (torch.inf if floating else info.max)
+        )
+        out = local.new_full(shape, identity)
+    scale = n if reduce_op == "avg" else 1
+    out.narrow(dim, shard_offsets(full, n)[index], local.size(dim)).copy_(local * scale if scale != 1 else local)
+    return out
+
+
+def partition_value(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
+    """Replicate -> Partial(reduce_op) at mesh coordinate ``index`` (no traffic): a sum keeps the
+    value on coordinate 0 and zeros elsewhere, so the reduction is exact; avg, max and min keep it
+    everywhere. The one place this rule is written."""
+    if reduce_op == "sum" and index != 0:
+        return torch.zeros_like(local)
+    return local.clone()
