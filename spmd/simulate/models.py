@@ -200,7 +200,8 @@ class GPTWorkload:
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
                 loss.backward()  # type: ignore[no-untyped-call]
         else:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+            # sum / tokens, not reduction="mean": the mean rule gathers batch-sharded logits, the sum stays P(sum)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum") / targets.numel()
             loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())  # the loss a run would log
