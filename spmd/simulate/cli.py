@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp", action="store_true", help="fully shard over dp (ZeRO-3) in every plan")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence-parallel norms in every plan")
     parser.add_argument("--world", type=int, help="world size to check the mesh against (default: the mesh's size)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank to simulate (uneven shards differ by rank)")
+    parser.add_argument(
+        "--rank", type=int, nargs="+", default=[0], help="the rank(s) to simulate (uneven shards differ by rank)"
+    )
     parser.add_argument(
         "--link", default="", help="link bandwidths (and latencies): intra=450GB/s@3us,inter=50GB/s@10us"
     )
@@ -77,9 +79,11 @@ def run(args: argparse.Namespace) -> list[PlanReport]:
 
         require_matplotlib()
     reports = [
-        simulate(w, plan, rank=args.rank, world_size=args.world, links=links) for w, plan in zip(workloads, plans)
+        simulate(w, plan, rank=rank, world_size=args.world, links=links)
+        for w, plan in zip(workloads, plans)
+        for rank in args.rank
     ]
-    print(format_report(reports[0]) if len(reports) == 1 else format_comparison(reports))
+    print(format_report(reports[0]) if len(reports) == 1 else format_comparison(reports, by_rank=len(args.rank) > 1))
     if args.plot:
         from spmd.simulate.plot import plot_reports
 

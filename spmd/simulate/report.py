@@ -10,7 +10,7 @@ link is the intra-node one when the group's ranks share a node, else the inter-n
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spmd.simulate.memory import StateBytes
 from spmd.simulate.plan import Link, Links
@@ -158,8 +158,10 @@ def format_report(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(reports: Sequence[PlanReport]) -> str:
-    """One row per plan: memory per rank and the step's communication."""
+def format_comparison(reports: Sequence[PlanReport], *, by_rank: bool = False) -> str:
+    """One row per plan (per plan and rank with ``by_rank``): memory per rank and the step's communication."""
+    if by_rank:
+        reports = [replace(r, plan=f"{r.plan} rank {r.rank}") for r in reports]
     width = max(len("plan"), *(len(r.plan) for r in reports))
     header = (
         f"{'plan':<{width}}{'ranks':>7}{'params':>12}{'grads':>12}{'optimizer':>12}{'activations':>13}"

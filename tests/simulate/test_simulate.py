@@ -106,6 +106,16 @@ def test_cli_prints_one_table_and_a_comparison(capsys: pytest.CaptureFixture[str
     assert [row.split()[0] for row in rows[1:]] == ["dp=4", "dp=2,tp=2", "dp=2,tp=2,fsdp"]
 
 
+def test_cli_simulates_chosen_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """Uneven vocab rows over tp: ranks 0 and 3 of tp=4 hold different parameter bytes, one row each."""
+    assert main(["--layers", "1", "--vocab", "130", "--mesh", "tp=4", "--rank", "0", "3"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["tp=4", "rank", "0"], ["tp=4", "rank", "3"]]
+    assert rows[0].split()[4:6] != rows[1].split()[4:6]  # params differ
+    assert main(["--mesh", "tp=4", "--rank", "4"]) == 2
+    assert "rank 4 is outside a world of 4 ranks" in capsys.readouterr().err
+
+
 def test_cli_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "plans.png"
