@@ -14,6 +14,7 @@ with or without a set of storages: the whole peak, and the peak of everything bu
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -77,6 +78,35 @@ def _fresh_outputs(func: Any) -> tuple[bool, ...]:
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
+_original_resize = torch.UntypedStorage.resize_
+_resize_lock = threading.Lock()
+_resize_followers = 0
+_listeners = threading.local()
+
+
+def _resize_listeners_of_this_thread() -> list[MemoryTracker]:
+    listeners: list[MemoryTracker] | None = getattr(_listeners, "trackers", None)
+    if listeners is None:
+        listeners = _listeners.trackers = []
+    return listeners
+
+
+def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
+    result = _original_resize(storage, size)
+    for tracker in _resize_listeners_of_this_thread():
+        tracker._resized(storage)
+    return result
+
+
+def _follow_resizes(on: bool) -> None:
+    """Route ``UntypedStorage.resize_`` through the trackers while any is active (in any thread)."""
+    global _resize_followers
+    with _resize_lock:
+        _resize_followers += 1 if on else -1
+        wrapped = _resize_and_tell if _resize_followers else _original_resize
+        torch.UntypedStorage.resize_ = wrapped  # type: ignore[method-assign, assignment]
+
+
 class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records when each local storage is allocated, resized and freed while the tracker is active.
 
@@ -94,7 +124,6 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._known_refs = list(known)  # keep the ids valid while the tracker runs
         self._next_token = itertools.count()
         self._fresh: dict[Any, tuple[bool, ...]] = {}
-        self._original_resize: Any = None
 
     # ----- the mode --------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -113,21 +142,15 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def __enter__(self) -> Self:
-        tracker = self
-        original = self._original_resize = torch.UntypedStorage.resize_
-
-        def resize_and_track(storage: torch.UntypedStorage, size: int) -> Any:
-            result = original(storage, size)
-            tracker._resized(storage)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_and_track  # type: ignore[method-assign, assignment]
+        _resize_listeners_of_this_thread().append(self)
+        _follow_resizes(True)
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        _resize_listeners_of_this_thread().remove(self)
+        _follow_resizes(False)
         self._known_refs = []
 
     # ----- bookkeeping -----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def test_a_world_of_65536_ranks_runs_one_rank_and_records_its_collectives() -> N
 
 
 def test_memory_tracker_peak_follows_lifetimes() -> None:
+    resize = torch.UntypedStorage.resize_
     with MemoryTracker() as tracker:
         a = torch.empty(1024, device="meta")  # 4 KiB
         b = a * 2  # 4 KiB more: 8 KiB live
@@ -55,6 +56,7 @@ def test_memory_tracker_peak_follows_lifetimes() -> None:
         c.untyped_storage().resize_(2048)
     assert tracker.peak() == 8192
     assert tracker.live_bytes == 2048
+    assert torch.UntypedStorage.resize_ is resize  # followed only while a tracker runs
 
 
 def _report(plan_text: str, cfg: GPTConfig = SMALL, **kwargs: object) -> object:
