@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from typing_extensions import Self
 
 from spmd.tensor.comm import Communicator, World, current_world
 
@@ -199,7 +200,7 @@ class DeviceMesh:
         )
 
     # ----- the current mesh ------------------------------------------------------------------------
-    def __enter__(self) -> DeviceMesh:
+    def __enter__(self) -> Self:
         """Make this the mesh used where none is given (``distribute_tensor(t, placements=...)``)."""
         _ENTERED_MESHES.set((*_ENTERED_MESHES.get(), self))
         return self
@@ -208,12 +209,6 @@ class DeviceMesh:
         _ENTERED_MESHES.set(_ENTERED_MESHES.get()[:-1])
 
     # ----- value semantics -------------------------------------------------------------------------
-    def __reduce__(self) -> tuple[Any, ...]:
-        # The description only: the world and its communicators belong to the running job.
-        from spmd.tensor.serialization import rebuild_device_mesh
-
-        return rebuild_device_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names)
-
     def __copy__(self) -> DeviceMesh:
         return self
 

@@ -71,8 +71,15 @@ class Dispatcher:
             return _dispatch_out(entry, args, kwargs)
         if entry.list_op:
             return dispatch_list(self, entry, args, kwargs)
-        call = self.unwrap(entry, args, kwargs)
+        call = unwrap_call(entry, args, kwargs) or self.unwrap_mixed(entry, args, kwargs)
+        if entry.inplace:
+            _refuse_write_into_copied_view(entry, call)
         decision, hit = self.decision_for(entry, call)
+        if decision.simple and not STATE.listening:  # steps 3-5 of the common case, in-line
+            local = list(call.leaves)
+            for i in call.positions:
+                local[i] = local[i]._local_tensor
+            return DTensor(entry.op(*local), decision.output_specs[0], requires_grad=False)  # type: ignore[arg-type]
         if decision.decomposition is not None:  # the op runs as other DTensor ops (each dispatched here)
             if STATE.verbose:
                 log_decomposition(op, call.specs(), decision, hit)
@@ -81,18 +88,13 @@ class Dispatcher:
         result = self.run_local(entry, decision, call, local_args, local_kwargs)
         return self.wrap(entry, decision, call, result, local_args)
 
-    def unwrap(self, entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall:
-        """Step 1: find the DTensors and build the cache key (plain positional calls need no flattening)."""
-        call = unwrap_call(entry, args, kwargs)
-        if call is None:
-            leaves, shape = flatten_call(args, kwargs)
-            return self.unwrap(entry, *_replicate_plain_tensors(entry, leaves, shape, list(kwargs)))
-        if entry.inplace and call.positions[0] == 0 and call.leaves[0]._copied_view:
-            raise RuntimeError(
-                f"{entry.op} writes into a view of a DTensor that had to be redistributed (or conjugated) to make "
-                f"the view, so the write would not reach the original ({call.leaves[0]._spec}); write into the "
-                "original tensor, or call .clone() on the view first if it is meant to be a copy"
-            )
+    @staticmethod
+    def unwrap_mixed(entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall:
+        """Step 1 for a call with plain (not 0-d) tensors among its DTensors: they are replicated first."""
+        leaves, shape = flatten_call(args, kwargs)
+        new_args, new_kwargs = _replicate_plain_tensors(entry, leaves, shape, list(kwargs))
+        call = unwrap_call(entry, new_args, new_kwargs)
+        assert call is not None
         return call
 
     def decision_for(self, entry: OpEntry, call: UnwrappedCall) -> tuple[Decision, bool]:
@@ -214,6 +216,15 @@ class Dispatcher:
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
         return self.propagator.make_call(op, leaves, shape, list(kwargs), positions)
+
+
+def _refuse_write_into_copied_view(entry: OpEntry, call: UnwrappedCall) -> None:
+    if call.positions[0] == 0 and call.leaves[0]._copied_view:
+        raise RuntimeError(
+            f"{entry.op} writes into a view of a DTensor that had to be redistributed (or conjugated) to make "
+            f"the view, so the write would not reach the original ({call.leaves[0]._spec}); write into the "
+            "original tensor, or call .clone() on the view first if it is meant to be a copy"
+        )
 
 
 def _replicate_plain_tensors(

@@ -8,6 +8,7 @@ Each rank holds its local shard (``to_local()``) and a frozen ``DTensorSpec``. A
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -62,16 +63,23 @@ class DTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"DTensor(local_tensor={self._local_tensor}, spec={self._spec})"
 
-    # ----- pickle / torch.save / deepcopy (see spmd/tensor/serialization.py) ------------------------
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        from spmd.tensor import serialization
-
-        return serialization.reduce_dtensor(self)
-
+    # ----- deepcopy (pickling: spmd/tensor/serialization.py registers it with copyreg) ------------
     def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
-        from spmd.tensor import serialization
-
-        return serialization.deepcopy_dtensor(self, memo)
+        """A new local tensor (and grad), the same spec and mesh; leaf DTensors only, as for tensors."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "only leaf DTensors can be deep-copied, as with plain tensors; this one was computed with "
+                f"autograd (grad_fn={type(self.grad_fn).__name__}); deepcopy dtensor.detach() instead"
+            )
+        result = DTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=self.requires_grad)
+        if self.grad is not None:
+            result.grad = copy.deepcopy(self.grad, memo)
+        for name, value in self.__dict__.items():
+            setattr(result, name, copy.deepcopy(value, memo))
+        memo[id(self)] = result
+        return result
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]

@@ -61,6 +61,10 @@ class Decision:
     then nothing else here is used."""
     reshapes_self: bool = False
     """An in-place view (``squeeze_``, ``t_``): self's spec becomes the output's after the call."""
+    simple: bool = False
+    """The common case, run in-line by the dispatcher: a plain positional call (not flattened)
+    whose inputs stay where they are and whose one tensor output is a fresh DTensor (no hooks,
+    not in-place, not a view of a copy)."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:
@@ -115,7 +119,7 @@ class ShardingPropagator:
             )
         call = self.make_call(entry.op, leaves, shape, kwarg_names, positions)
         try:
-            return self.decompose(call, entry) or self.decide(call, entry)
+            return self.decompose(call, entry) or self.decide(call, entry, plain_call=not shape)
         except ShardingError:
             # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
             # written back into self's shard.
@@ -227,8 +231,11 @@ class ShardingPropagator:
         placements = tuple(s.placements for s in call.input_specs)
         return Decision(placements, (), (), (), 0.0, entry.inplace, decomposition=expansion)
 
-    def decide(self, call: OpCall, entry: OpEntry | None = None) -> Decision:
-        """The cheapest candidate on every mesh dim, with the moves and output specs it implies."""
+    def decide(self, call: OpCall, entry: OpEntry | None = None, *, plain_call: bool = False) -> Decision:
+        """The cheapest candidate on every mesh dim, with the moves and output specs it implies.
+
+        ``plain_call``: the call was not flattened (see call_layout.py), so it may be ``simple``.
+        """
         entry = entry or self.registry.entry(call.op)
         candidates = self.candidates(call)
         specs = call.input_specs
@@ -260,6 +267,18 @@ class ShardingPropagator:
         # A placement that changes only on one-rank mesh dims is a relabel: the shard is used as it
         # is (not copied), so a view of it still aliases the input.
         moves = tuple(n for n, s in enumerate(specs) if moves_data(s.placements, input_placements[n], mesh.shape))
+        view_of_copy = entry.returns_view and (bool(moves) or entry.local_impl is not None)
+        simple = (
+            plain_call
+            and not moves
+            and not entry.inplace
+            and entry.local_args is None
+            and entry.local_impl is None
+            and not view_of_copy
+            and len(outputs) == 1
+            and outputs[0] is not None
+            and not isinstance(call.op._schema.returns[0].type, torch.ListType)
+        )
         return Decision(
             input_placements,
             outputs,
@@ -274,8 +293,9 @@ class ShardingPropagator:
                 None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(outputs, call.output_metas)
             ),
             # a view computed by a local_impl (``_conj``) holds new values, so it aliases nothing either
-            view_of_copy=entry.returns_view and (bool(moves) or entry.local_impl is not None),
+            view_of_copy=view_of_copy,
             reshapes_self=entry.inplace and entry.inplace_view,
+            simple=simple,
         )
 
 

@@ -9,13 +9,14 @@ its own file, inside a running world that already holds an equal mesh, as with t
     torch.save(model.state_dict(), f"ckpt.rank{rank}.pt")
     model.load_state_dict(torch.load(f"ckpt.rank{rank}.pt", weights_only=True))
 
-Importing ``spmd.tensor`` allowlists the rebuild functions and value classes for
-``torch.load(weights_only=True)``.
+Importing ``spmd.tensor`` registers both reductions with ``copyreg`` (which pickle consults before
+``__reduce_ex__``) and allowlists the rebuild functions and value classes for
+``torch.load(weights_only=True)``. ``copy.deepcopy`` of a DTensor is ``DTensor.__deepcopy__``.
 """
 
 from __future__ import annotations
 
-import copy
+import copyreg
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Replicate, Shard, format_placements
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
-__all__ = ["rebuild_device_mesh", "rebuild_dtensor", "reduce_dtensor", "deepcopy_dtensor", "register_safe_globals"]
+__all__ = ["rebuild_device_mesh", "reduce_device_mesh", "rebuild_dtensor", "reduce_dtensor", "register_safe_globals"]
 
 NO_WORLD_MESSAGE = (
     "unpickling a DTensor or DeviceMesh needs the world it was saved in, and the caller is not a rank "
@@ -66,8 +67,13 @@ def rebuild_device_mesh(device_type: str, ranks: list[Any], mesh_dim_names: tupl
     return mesh
 
 
+def reduce_device_mesh(mesh: DeviceMesh) -> tuple[Any, ...]:
+    """How a DeviceMesh pickles: its description only (the world and communicators belong to the job)."""
+    return rebuild_device_mesh, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)
+
+
 def reduce_dtensor(dtensor: DTensor) -> tuple[Any, ...]:
-    """``DTensor.__reduce_ex__``: the rebuild function and what it needs, all picklable."""
+    """How a DTensor pickles: the rebuild function and what it needs, all picklable."""
     spec = dtensor._spec
     try:
         coordinate = spec.mesh.get_coordinate()
@@ -105,24 +111,6 @@ def _check_loaded_by_its_rank(spec: DTensorSpec, saved_coordinate: tuple[int, ..
             )
 
 
-def deepcopy_dtensor(dtensor: DTensor, memo: dict[int, Any]) -> DTensor:
-    """``DTensor.__deepcopy__``: a new local tensor (and grad), the same spec and mesh."""
-    if id(dtensor) in memo:
-        return memo[id(dtensor)]
-    if not dtensor.is_leaf:
-        raise RuntimeError(
-            "only leaf DTensors can be deep-copied, as with plain tensors; this one was computed with "
-            f"autograd (grad_fn={type(dtensor.grad_fn).__name__}); deepcopy dtensor.detach() instead"
-        )
-    result = DTensor(copy.deepcopy(dtensor._local_tensor, memo), dtensor._spec, requires_grad=dtensor.requires_grad)
-    if dtensor.grad is not None:
-        result.grad = copy.deepcopy(dtensor.grad, memo)
-    for name, value in dtensor.__dict__.items():
-        setattr(result, name, copy.deepcopy(value, memo))
-    memo[id(dtensor)] = result
-    return result
-
-
 def register_safe_globals() -> None:
     """Let ``torch.load(weights_only=True)`` call our rebuild functions and build our values."""
     add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
@@ -131,4 +119,8 @@ def register_safe_globals() -> None:
     add_safe_globals([rebuild_dtensor, rebuild_device_mesh, DTensorSpec, TensorMeta, Shard, Replicate, Partial])
 
 
+copyreg.pickle(DTensor, reduce_dtensor)
+copyreg.pickle(DeviceMesh, reduce_device_mesh)
+copyreg.pickle(DTensor, reduce_dtensor)
+copyreg.pickle(DeviceMesh, reduce_device_mesh)
 register_safe_globals()

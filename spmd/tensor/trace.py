@@ -26,6 +26,7 @@ __all__ = [
     "DebugState",
     "LOGGER",
     "current_op",
+    "parse_ranks",
     "op_scope",
     "current_rank_or_none",
     "human_bytes",
@@ -78,6 +79,17 @@ def current_rank_or_none() -> int | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return None
+
+
+def parse_ranks(text: str) -> frozenset[int] | None:
+    """``"all"`` -> None (every rank); ``"0,1"`` -> {0, 1}."""
+    text = text.strip().lower()
+    if text in ("all", "*"):
+        return None
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise ValueError(f"SPMD_DEBUG_RANKS={text!r}: use 'all' or a comma-separated list like '0,1'") from error
 
 
 def current_op() -> str | None:

@@ -17,9 +17,9 @@ from spmd.tensor.debug.check import (
     set_check_collectives,
 )
 from spmd.tensor.debug.comm_mode import CommDebugMode
+from spmd.tensor.debug.environment import configure_from_environment
 from spmd.tensor.debug.explain import Explanation, explain
 from spmd.tensor.debug.fallbacks import FallbackRecord, FallbackReport, fallback_report, reset_fallback_report
-from spmd.tensor.debug.state import configure_from_environment
 from spmd.tensor.debug.verbose import is_verbose, set_verbose, verbose
 from spmd.tensor.debug.visualize import sharding_table, visualize_sharding
 

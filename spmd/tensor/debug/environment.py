@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import os
 
-from spmd.tensor.trace import STATE, current_op, current_rank_or_none, op_scope
+from spmd.tensor.debug.check import set_check_collectives
+from spmd.tensor.debug.verbose import set_verbose
+from spmd.tensor.trace import STATE, parse_ranks
 
-__all__ = ["parse_ranks", "configure_from_environment", "STATE", "current_op", "current_rank_or_none", "op_scope"]
-
-
-def parse_ranks(text: str) -> frozenset[int] | None:
-    """``"all"`` -> None (every rank); ``"0,1"`` -> {0, 1}."""
-    text = text.strip().lower()
-    if text in ("all", "*"):
-        return None
-    try:
-        return frozenset(int(part) for part in text.split(",") if part.strip())
-    except ValueError as error:
-        raise ValueError(f"SPMD_DEBUG_RANKS={text!r}: use 'all' or a comma-separated list like '0,1'") from error
+__all__ = ["configure_from_environment"]
 
 
 def configure_from_environment() -> None:
@@ -32,10 +23,6 @@ def configure_from_environment() -> None:
         STATE.ranks = parse_ranks(ranks)
     modes = {part.strip() for part in os.environ.get("SPMD_DEBUG", "").lower().replace(",", " ").split()}
     if "verbose" in modes:
-        from spmd.tensor.debug.verbose import set_verbose
-
         set_verbose(True, ranks=STATE.ranks)
     if "check" in modes:
-        from spmd.tensor.debug.check import set_check_collectives
-
         set_check_collectives(True)
