@@ -127,7 +127,7 @@ _PLAIN = object()
 """``_scan``'s answer when a plain (not 0-d) tensor sits among DTensors."""
 
 
-def _scan(op: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
+def _scan(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
     """Add each leaf's key part to ``key`` and each DTensor's index to ``positions``; the mesh.
 
     A list of ints (a reduction's dims, a view's sizes) keys as a tuple and stays one leaf.
@@ -142,7 +142,7 @@ def _scan(op: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
             if mesh is None:
                 mesh = spec.mesh
             elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise mesh_mismatch_error(op, mesh, spec.mesh)
+                raise mesh_mismatch_error(getattr(head, "op", head), mesh, spec.mesh)
             positions.append(i)
             key.append(spec)
         elif kind in AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
@@ -166,11 +166,10 @@ def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Unw
 
     None when a plain (not 0-d) tensor sits among the DTensors: the caller decides what it means.
     """
-    op = getattr(head, "op", head)
     key: list[Any] = [head]
     positions: list[int] = []
     if not kwargs:
-        mesh = _scan(op, args, key, positions)
+        mesh = _scan(head, args, key, positions)
         if mesh is _PLAIN:
             return None
         if mesh is not _FLATTEN and mesh is not None:
@@ -178,9 +177,9 @@ def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Unw
         key, positions = [head], []
     leaves, shape = flatten_call(args, kwargs)
     key.append(shape)
-    mesh = _scan(op, leaves, key, positions)
+    mesh = _scan(head, leaves, key, positions)
     if mesh is _PLAIN:
         return None
     if mesh is None:
-        raise AssertionError(f"{op} reached the DTensor dispatcher without a DTensor argument")
+        raise AssertionError(f"{getattr(head, 'op', head)} reached the DTensor dispatcher without a DTensor argument")
     return UnwrappedCall(args, kwargs, leaves, shape, positions, tuple(key), mesh)

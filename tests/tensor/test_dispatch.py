@@ -9,7 +9,7 @@ import torch
 
 from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import DISPATCHER, implicit_replication
+from spmd.tensor.dispatch import DISPATCHER, implicit_replication, replicate_fallback
 from spmd.tensor.ops import REGISTRY, OpStrategy
 from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, with_comms
 from spmd.testing import seeded_randn as randn
@@ -161,12 +161,12 @@ def test_without_fallback_an_op_without_rule_names_op_and_placements() -> None:
         torch.exp(distribute_tensor(randn(8, 4), mesh, [Shard(0)]))
 
     expected = r"aten.exp.default has no sharding rule \(inputs \(S\(0\)\) \[8, 4\]\)"
-    DISPATCHER.fallback = False
-    try:
-        with REGISTRY.override(aten.exp.default, None), pytest.raises(NotImplementedError, match=expected):
-            run_threaded(exp_of_shard, 4)
-    finally:
-        DISPATCHER.fallback = True
+    with (
+        replicate_fallback(False),
+        REGISTRY.override(aten.exp.default, None),
+        pytest.raises(NotImplementedError, match=expected),
+    ):
+        run_threaded(exp_of_shard, 4)
 
 
 def test_rules_can_be_swapped_in_a_block() -> None:
@@ -352,3 +352,34 @@ def test_casts_with_a_device_argument() -> None:
         assert dtype == torch.float64 and placements == (Shard(0),)
         torch.testing.assert_close(doubled, randn(8, 4).double())
         torch.testing.assert_close(soft, torch.softmax(randn(8, 4), dim=1, dtype=torch.float64))
+
+
+def test_replicate_fallback_switch_is_restored_after_the_block() -> None:
+    was = DISPATCHER.fallback
+    with replicate_fallback(not was):
+        assert DISPATCHER.fallback is (not was)
+    assert DISPATCHER.fallback is was
+
+
+def test_registry_holds_one_entry_per_overload_with_its_schema_facts() -> None:
+    add_ = REGISTRY.entry(aten.add_.Tensor)
+    assert add_.inplace and not add_.returns_view and add_.rule is not None
+    view = REGISTRY.entry(aten.view.default)
+    assert view.returns_view and view.local_args is not None
+    assert REGISTRY.entry(aten.add.out).out_variant == (aten.add.Tensor, ("out",))
+    assert REGISTRY.entry(aten._foreach_add_.List).list_op
+    assert "random" in (REGISTRY.entry(aten.bernoulli.default).no_fallback or "")
+    assert REGISTRY.entry(aten.add.Tensor) is REGISTRY.entry(aten.add.Tensor)  # made once
+
+
+def test_a_cached_call_is_not_decided_again() -> None:
+    def twice() -> int:
+        mesh = init_device_mesh("cpu", (1,))  # one rank: no other thread counts misses meanwhile
+        x = distribute_tensor(randn(8, 4), mesh, [Shard(0)])
+        x.sum(1)  # an int-list argument keys the cache without flattening the call
+        before = DISPATCHER.misses
+        for _ in range(3):
+            x.sum(1)
+        return DISPATCHER.misses - before
+
+    assert run_threaded(twice, 1) == [0]
