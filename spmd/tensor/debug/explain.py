@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from spmd.tensor.dispatch import DISPATCHER
 from spmd.tensor.ops.registry import OpStrategy
 from spmd.tensor.trace import human_bytes
 
@@ -19,9 +20,15 @@ class Explanation:
     inputs: tuple[str, ...]
     per_mesh_dim: tuple[tuple[tuple[OpStrategy, float | None], ...], ...]
     chosen: tuple[OpStrategy, ...]
+    decomposition: str | None = None
+    """When set, these inputs run the op as other DTensor ops (named here), each decided as it runs;
+    the rule's candidates below are then not used."""
 
     def __str__(self) -> str:
         lines = [f"{self.op}", *(f"  input {i}: {text}" for i, text in enumerate(self.inputs))]
+        if self.decomposition is not None:
+            lines.append(f"  runs as other DTensor ops ({self.decomposition}), each decided when it runs;")
+            lines.append("  the rule's candidates below are not used for these inputs")
         for d, scored in enumerate(self.per_mesh_dim):
             lines.append(f"  mesh dim {d}:")
             width = max((len(str(c)) for c, _ in scored), default=0)
@@ -52,13 +59,18 @@ def explain(op: Any, *args: Any, **kwargs: Any) -> Explanation:
       input 0: f32[8,6] (S(1)) on mesh(d0=4)
       ...
     """
-    from spmd.tensor.dispatch import DISPATCHER
-
     call = DISPATCHER.make_call(op, args, kwargs)
     propagator = DISPATCHER.propagator
+    decomposed = propagator.decompose(call)
     candidates = propagator.candidates(call)
     decision = propagator.decide(call)
     per_dim = tuple(tuple(propagator.score(call, candidates, d)) for d in range(call.input_specs[0].mesh.ndim))
     inputs = tuple(str(spec) for spec in call.input_specs)
-    chosen = decision.strategies
-    return Explanation(str(op), inputs, per_dim, chosen)
+    return Explanation(str(op), inputs, per_dim, decision.strategies, _expansion_name(decomposed))
+
+
+def _expansion_name(decision: Any) -> str | None:
+    if decision is None:
+        return None
+    expansion = decision.decomposition
+    return str(getattr(getattr(expansion, "func", expansion), "__name__", expansion))

@@ -82,3 +82,13 @@ class ExplainTest(DTensorTestBase):
         text = str(explain(aten.add_.Tensor, x, y))
         self.assertIn("not allowed", text)
         self.assertIn("chosen: S(0), S(0) -> S(0)", text)
+
+    @with_comms
+    def test_explain_says_when_the_op_runs_as_other_ops(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+        explanation = explain(aten.linalg_vector_norm.default, x, 2)  # power sums, then one all_reduce
+        self.assertIsNotNone(explanation.decomposition)
+        self.assertIn("runs as other DTensor ops", str(explanation))
+        y = distribute_tensor(torch.ones(8, 4), mesh, [Replicate()])
+        self.assertIsNone(explain(aten.linalg_vector_norm.default, y, 2).decomposition)
