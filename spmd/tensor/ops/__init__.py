@@ -2,6 +2,7 @@
 
 from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     complex_ops,
+    fft_ops,
     foreach,
     indexing,
     losses,
