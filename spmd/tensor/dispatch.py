@@ -188,7 +188,7 @@ class Dispatcher:
                 _reshape_self(entry.op, call.args, call.kwargs, decision.output_specs[0])
             return call.args[0]
         output_specs = decision.output_specs
-        if type(result) is torch.Tensor:
+        if isinstance(result, torch.Tensor):  # FakeTensor or FunctionalTensor while compiling
             spec = output_specs[0]
             if spec is None:
                 return result

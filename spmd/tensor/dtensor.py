@@ -81,6 +81,45 @@ class DTensor(torch.Tensor):
         memo[id(self)] = result
         return result
 
+    # ----- torch.compile: AOTAutograd takes a DTensor apart into its local shard and its spec -------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool, int]]:
+        """The inner tensor the compiler traces (the local shard) and the hashable context it guards on.
+
+        The context holds the caller's rank: a traced graph bakes in the rank's mesh coordinate and
+        groups, so the ranks of a threaded world (threads of one process, sharing torch.compile's
+        cache) each get their own graph, as the processes of a torchrun job do.
+        """
+        return ["_local_tensor"], (self._spec, self.requires_grad, self._spec.mesh.get_rank())
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor],
+        context: tuple[DTensorSpec, bool, int],
+        outer_size: Any,
+        outer_stride: Any,
+    ) -> DTensor:
+        spec, requires_grad, _ = context
+        meta = spec.tensor_meta
+        if tuple(outer_size) != meta.shape or tuple(outer_stride) != meta.stride:
+            spec = DTensorSpec(
+                spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
+            )
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    def __coerce_tangent_metadata__(self) -> DTensor:
+        """A gradient flowing into a compiled backward is never Partial: reduce it first."""
+        if not self._spec.has_partial:
+            return self
+        return self.redistribute(placements=grad_placements_for(self._spec.placements))
+
+    def __coerce_same_metadata_as_tangent__(
+        self, context: tuple[DTensorSpec, bool, int], expected_type: Any = None
+    ) -> DTensor | None:
+        """The runtime gradient laid out as the one the compiled backward was traced with."""
+        if expected_type is not None:
+            return None
+        return self.redistribute(placements=context[0].placements)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return _dispatch[0](func, args, kwargs or {})
@@ -208,8 +247,6 @@ def _is_list_index(index: Any) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     plain = any(isinstance(i, torch.Tensor) and not isinstance(i, DTensor) and i.ndim > 0 for i in parts)
     return not plain and any(isinstance(i, list) for i in parts)
-
-
 
 
 def _infer_global_shape(

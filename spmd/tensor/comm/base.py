@@ -4,6 +4,10 @@ A ``Communicator`` is the group of ranks along one mesh dimension. Public method
 plain local tensors; "stacked" tensors carry one equal-sized block per group member on dim 0, the
 way NCCL lays out all_gather/reduce_scatter buffers. Padding for uneven shards is the caller's
 job (the redistribute executor), so both backends run the same data path.
+
+Each public collective runs the check and the traffic record here, then calls its ``spmd::`` op
+(library_ops.py), which runs the backend's private method: so ``torch.compile`` graphs hold the
+collectives as ops, while eager code gets the same results, records and checks as before.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from spmd.tensor.comm.library_ops import COLLECTIVE_OPS, group_handle
 
 __all__ = [
     "Communicator",
@@ -135,6 +141,8 @@ class Communicator(ABC):
     mesh_dim: str | None = None
     context: tuple[Any, ...] = ()
     """What the caller is doing (a redistribute step and its spec), for the collective check."""
+    _handle: int | None = None
+    """The int naming this communicator inside the ``spmd::`` ops (``group_handle``)."""
 
     def __init__(self, ranks: tuple[int, ...], *, timeout_s: float | None = None) -> None:
         self.ranks = ranks
@@ -159,6 +167,7 @@ class Communicator(ABC):
         if view is None:
             view = copy.copy(self)
             view.mesh_dim = name
+            view._handle = None  # a view names its dim in errors, so the ops must find the view
             view = self._views.setdefault(name, view)
         return view
 
@@ -169,6 +178,7 @@ class Communicator(ABC):
         """
         if _collective_check is None:
             return self
+        group_handle(self)  # the copy shares this handle, so a compiled graph never names a short-lived copy
         view = copy.copy(self)
         view.context = context
         return view
@@ -188,41 +198,41 @@ class Communicator(ABC):
         if _collective_check is not None:
             _collective_check(self, "all_gather", tensor, "")
         self._record("all_gather", _nbytes(tensor) * self.size)
-        return self._all_gather(tensor.contiguous())
+        return COLLECTIVE_OPS["all_gather"](tensor.contiguous(), group_handle(self), self.size)
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         if _collective_check is not None:
             _collective_check(self, "all_reduce", tensor, reduce_op)
         self._record("all_reduce", _nbytes(tensor))
-        return self._all_reduce(tensor.contiguous(), reduce_op)
+        return COLLECTIVE_OPS["all_reduce"](tensor.contiguous(), group_handle(self), reduce_op)
 
     def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """Reduce ``stacked`` (``[size, *block]``) over members; member i keeps reduced block i."""
         if _collective_check is not None:
             _collective_check(self, "reduce_scatter", stacked, reduce_op)
         self._record("reduce_scatter", _nbytes(stacked))
-        return self._reduce_scatter(stacked.contiguous(), reduce_op)
+        return COLLECTIVE_OPS["reduce_scatter"](stacked.contiguous(), group_handle(self), reduce_op)
 
     def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         """Member i sends block j to member j; the result stacks the blocks received, by sender."""
         if _collective_check is not None:
             _collective_check(self, "all_to_all", stacked, "")
         self._record("all_to_all", _nbytes(stacked))
-        return self._all_to_all(stacked.contiguous())
+        return COLLECTIVE_OPS["all_to_all"](stacked.contiguous(), group_handle(self))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Every member gets member ``src``'s tensor (``src`` is an index into ``ranks``)."""
         if _collective_check is not None:
             _collective_check(self, "broadcast", tensor, f"src={src}")
         self._record("broadcast", _nbytes(tensor))
-        return self._broadcast(tensor.contiguous(), src)
+        return COLLECTIVE_OPS["broadcast"](tensor.contiguous(), group_handle(self), src)
 
     def scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         """Member i gets block i of member ``src``'s ``stacked``; every member passes a same-shaped buffer."""
         if _collective_check is not None:
             _collective_check(self, "scatter", stacked, f"src={src}")
         self._record("scatter", _nbytes(stacked))
-        return self._scatter(stacked.contiguous(), src)
+        return COLLECTIVE_OPS["scatter"](stacked.contiguous(), group_handle(self), src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""
