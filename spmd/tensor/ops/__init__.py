@@ -11,6 +11,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     optim,
     pointwise,
     pooling,
+    products,
     random_ops,
     reductions,
     reductions_scan,

@@ -67,7 +67,7 @@ def broadcast_placement(shape: Sequence[int], out_shape: Sequence[int], out: Pla
     return out
 
 
-def _with_bias(call: OpCall, product: list[OpStrategy]) -> list[OpStrategy]:
+def with_bias(call: OpCall, product: list[OpStrategy]) -> list[OpStrategy]:
     """``bias + product``: prefix each product candidate with the bias placement it needs."""
     bias = call.args[0]
     meta = call.output_metas[0]
@@ -110,19 +110,19 @@ def dot_rule(call: OpCall) -> Sequence[OpStrategy]:
 @register_rule(aten.addmm.default, aten.addmm_.default)
 def addmm_rule(call: OpCall) -> Sequence[OpStrategy]:
     """addmm: mm's candidates; bias S(0) for output S(1) (1-d bias), R where broadcast, P for P."""
-    return _with_bias(call, contraction_candidates(("mk", "kn"), "mn"))
+    return with_bias(call, contraction_candidates(("mk", "kn"), "mn"))
 
 
 @register_rule(aten.addmv.default, aten.addmv_.default)
 def addmv_rule(call: OpCall) -> Sequence[OpStrategy]:
     """addmv: mv's candidates; bias S(0) for output S(0), P for P."""
-    return _with_bias(call, contraction_candidates(("mk", "k"), "m"))
+    return with_bias(call, contraction_candidates(("mk", "k"), "m"))
 
 
 @register_rule(aten.baddbmm.default, aten.baddbmm_.default)
 def baddbmm_rule(call: OpCall) -> Sequence[OpStrategy]:
     """baddbmm: bmm's candidates; bias follows the output (R where broadcast, P for P)."""
-    return _with_bias(call, contraction_candidates(("bmk", "bkn"), "bmn"))
+    return with_bias(call, contraction_candidates(("bmk", "bkn"), "bmn"))
 
 
 # ----- attention -----------------------------------------------------------------------------------
