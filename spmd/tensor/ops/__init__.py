@@ -8,6 +8,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     losses,
     matrix,
     nn,
+    norms,
     optim,
     pointwise,
     pooling,
