@@ -32,6 +32,10 @@ class Placement:
         # Rebuild through the constructor (it validates), the same on every Python version.
         return type(self), tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
 
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        """Source that rebuilds this placement in a torch.compile graph, and the names it uses."""
+        return repr(self), {type(self).__name__: type(self)}
+
 
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
