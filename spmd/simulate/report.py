@@ -58,6 +58,8 @@ class PlanReport:
     collectives: tuple[CollectiveStat, ...]
     simulate_seconds: float
     """How long the simulation itself took."""
+    notes: tuple[str, ...] = ()
+    """Things about the plan the numbers alone do not say (printed under the table)."""
 
     @property
     def comm_count(self) -> int:
@@ -155,6 +157,7 @@ def format_report(report: PlanReport) -> str:
         f"  {'total':<10}{'':<16}{'':>7}{report.comm_count:>8}{human_bytes(report.comm_bytes):>14}"
         f"{human_seconds(report.comm_seconds):>14}"
     )
+    lines += [f"\nnote: {note}" for note in report.notes]
     return "\n".join(lines)
 
 
@@ -173,5 +176,5 @@ def format_comparison(reports: Sequence[PlanReport], *, by_rank: bool = False) -
         f"{r.comm_count:>13}{human_bytes(r.comm_bytes):>13}{human_seconds(r.comm_seconds):>12}"
         for r in reports
     ]
-    lines = [header, *rows]
-    return "\n".join(lines)
+    notes = [f"note ({r.plan}): {note}" for r in reports for note in r.notes]
+    return "\n".join([header, *rows, *notes])

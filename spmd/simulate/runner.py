@@ -16,9 +16,9 @@ from torch import nn
 from spmd.simulate.memory import MemoryTracker, local_storages, training_state_bytes
 from spmd.simulate.meta_semantics import MetaAsCpu
 from spmd.simulate.plan import Links, Plan
-from spmd.simulate.report import PlanReport, collective_stats
+from spmd.simulate.report import PlanReport, collective_stats, human_bytes
 from spmd.simulate.world import SimulatedWorld
-from spmd.tensor import DeviceMesh, DTensor, init_device_mesh
+from spmd.tensor import DeviceMesh, DTensor, Shard, init_device_mesh
 from spmd.tensor.comm import use_world
 from spmd.tensor.debug import CommDebugMode
 
@@ -66,6 +66,7 @@ def simulate(
         activations = tracker.peak(excluding=grad_tokens)  # type: ignore[arg-type]
         peak = state.params + state.optimizer + tracker.peak()
         stats = collective_stats(comm.records, mesh, links)
+        notes = _fsdp_notes(model, plan) if plan.fsdp else ()
     return PlanReport(
         plan=str(plan),
         world_size=size,
@@ -75,6 +76,21 @@ def simulate(
         peak=peak,
         collectives=stats,
         simulate_seconds=time.perf_counter() - started,
+        notes=notes,
+    )
+
+
+def _fsdp_notes(model: nn.Module, plan: Plan) -> tuple[str, ...]:
+    """Say so when fully_shard kept parameters whole over dp (none of their dims has a row per dp rank)."""
+    dp = plan.mesh_dim_names.index("dp")
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    whole = [p for p in params if not isinstance(p.placements[dp], Shard)]
+    if not whole:
+        return ()
+    nbytes = sum(p._local_tensor.nbytes for p in whole)
+    return (
+        f"fully_shard kept {len(whole)} of {len(params)} parameters ({human_bytes(nbytes)} per rank) whole over "
+        f"dp={plan.size('dp')}: none of their dims has a row for every dp rank, so their gradients are all-reduced",
     )
 
 

@@ -74,6 +74,13 @@ def test_training_state_per_rank_matches_the_layout() -> None:
     assert sharded.peak < replicated.peak  # type: ignore[attr-defined]
 
 
+def test_a_note_when_fsdp_cannot_shard_over_so_many_ranks() -> None:
+    """dp=128 and dim 64: the 64-row weights stay whole over dp (fully_shard needs a row per rank)."""
+    assert _report("dp=4,fsdp").notes == ()  # type: ignore[attr-defined]
+    (note,) = _report("dp=128,fsdp", GPTConfig(layers=1, dim=64, batch=1)).notes  # type: ignore[attr-defined]
+    assert note.startswith("fully_shard kept 8 of 12 parameters")
+
+
 def test_fsdp_collectives_per_mesh_dim_and_the_ring_time() -> None:
     report = _report("dp=2,tp=2,fsdp", links=parse_links("intra=100GB/s@1us,inter=10GB/s@5us", ranks_per_node=2))
     by_key = {(c.mesh_dim, c.kind): c for c in report.collectives}  # type: ignore[attr-defined]
