@@ -142,6 +142,8 @@ def _full_weight(weight: torch.Tensor | None, num_classes: int) -> torch.Tensor 
 
 
 def _check_target_range(target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+    if torch.compiler.is_compiling():  # a compiled graph cannot branch on the targets' values
+        return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
     if bool(bad.any()):
         value = int(target[bad][0])
