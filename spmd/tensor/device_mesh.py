@@ -233,6 +233,11 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """How a torch.compile graph names this mesh should it hold it as a constant: by value, in this world."""
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})", {"DeviceMesh": DeviceMesh}
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
