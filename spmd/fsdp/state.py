@@ -25,7 +25,7 @@ Every collective goes through ``redistribute``, so CommDebugMode and the verbose
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from spmd.fsdp.flat import FlatGroup, flat_groups
 from spmd.fsdp.layout import ShardedParameter
 from spmd.tensor import DeviceMesh, DTensor
 
-__all__ = ["FullyShardState"]
+__all__ = ["FullyShardState", "add_storage_resize_observer"]
 
 
 class FullyShardState:
@@ -126,7 +126,7 @@ class _Freed:
             for key, (full, nbytes) in self.copies.items():
                 if nbytes:
                     local = full.to_local()
-                    local.untyped_storage().resize_(nbytes)
+                    _resize(local.untyped_storage(), nbytes)
                     local.copy_(fresh[key].to_local())
 
 
@@ -135,8 +135,26 @@ def _free(full: DTensor) -> int:
     with torch.no_grad():
         storage = full.to_local().untyped_storage()
     nbytes = storage.nbytes()
-    storage.resize_(0)
+    _resize(storage, 0)
     return nbytes
+
+
+_resize_observers: list[Callable[[torch.UntypedStorage], None]] = []
+
+
+def add_storage_resize_observer(observer: Callable[[torch.UntypedStorage], None]) -> None:
+    """Call ``observer(storage)`` after fully_shard frees or refills a gathered copy's storage.
+
+    Resizing a storage is not an aten op, so dispatch modes do not see it; memory trackers
+    (``spmd.simulate``) follow these calls instead.
+    """
+    _resize_observers.append(observer)
+
+
+def _resize(storage: torch.UntypedStorage, nbytes: int) -> None:
+    storage.resize_(nbytes)
+    for observer in _resize_observers:
+        observer(storage)
 
 
 class _RegatherBeforeBackward(torch.autograd.Function):

@@ -5,7 +5,8 @@ storage adds the storage's bytes, and a finalizer on the storage subtracts them 
 using it dies. Ops on DTensors are passed on to DTensor's own dispatch (the mode answers
 ``NotImplemented``), so the mode sees the local ops DTensor runs, collectives' results included.
 ``UntypedStorage.resize_`` (fully_shard frees a gathered copy after forward and refills it before
-backward) is not an op; the tracker wraps it while active so such storages count only while full.
+backward) is not an op; fully_shard tells its observers (``add_storage_resize_observer``), and the
+trackers of the calling thread follow them, so such storages count only while full.
 
 The tracker keeps the step's timeline of (storage, byte change) events, so the peak can be replayed
 with or without a set of storages: the whole peak, and the peak of everything but the gradients.
@@ -24,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import Self
 
+from spmd.fsdp.state import add_storage_resize_observer
 from spmd.tensor import DTensor
 
 __all__ = ["MemoryTracker", "StateBytes", "training_state_bytes", "local_storages"]
@@ -78,33 +80,22 @@ def _fresh_outputs(func: Any) -> tuple[bool, ...]:
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
-_original_resize = torch.UntypedStorage.resize_
-_resize_lock = threading.Lock()
-_resize_followers = 0
 _listeners = threading.local()
 
 
-def _resize_listeners_of_this_thread() -> list[MemoryTracker]:
+def _trackers_of_this_thread() -> list[MemoryTracker]:
     listeners: list[MemoryTracker] | None = getattr(_listeners, "trackers", None)
     if listeners is None:
         listeners = _listeners.trackers = []
     return listeners
 
 
-def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
-    result = _original_resize(storage, size)
-    for tracker in _resize_listeners_of_this_thread():
+def _tell_trackers(storage: torch.UntypedStorage) -> None:
+    for tracker in _trackers_of_this_thread():
         tracker._resized(storage)
-    return result
 
 
-def _follow_resizes(on: bool) -> None:
-    """Route ``UntypedStorage.resize_`` through the trackers while any is active (in any thread)."""
-    global _resize_followers
-    with _resize_lock:
-        _resize_followers += 1 if on else -1
-        wrapped = _resize_and_tell if _resize_followers else _original_resize
-        torch.UntypedStorage.resize_ = wrapped  # type: ignore[method-assign, assignment]
+add_storage_resize_observer(_tell_trackers)
 
 
 class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -142,15 +133,13 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def __enter__(self) -> Self:
-        _resize_listeners_of_this_thread().append(self)
-        _follow_resizes(True)
+        _trackers_of_this_thread().append(self)
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        _resize_listeners_of_this_thread().remove(self)
-        _follow_resizes(False)
+        _trackers_of_this_thread().remove(self)
         self._known_refs = []
 
     # ----- bookkeeping -----------------------------------------------------------------------------
