@@ -105,7 +105,7 @@ def main() -> None:
     modules = set(trees)
     # A package's __init__ re-exports; importing a package is not a use of every module in it.
     graph = {
-        m: {d for d in imports_of(tree, m, modules) if not (trees[d][0].name == "__init__.py")}
+        m: {d for d in imports_of(tree, m, modules) if trees[d][0].name != "__init__.py"}
         for m, (_, tree) in trees.items()
         if trees[m][0].name != "__init__.py"
     }
