@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
 from spmd.tensor.collectives import agree, broadcast_from
+from spmd.tensor.comm.threaded import thread_rank
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
 from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
@@ -185,10 +187,13 @@ class DTensor(torch.Tensor):
                 f"from_local takes a DeviceMesh, got {type(device_mesh).__name__}; "
                 'build one with init_device_mesh("cpu", (world_size,))'
             )
-        if placements is None:
-            placements = [Replicate()] * device_mesh.ndim
-        placements = normalize_placements(placements, device_mesh, local_tensor.ndim)
-        return _FromLocal.apply(local_tensor, device_mesh, placements, run_check, shape, stride)  # type: ignore[no-untyped-call]
+        if torch.compiler.is_compiling():  # Dynamo records one opaque call (see spmd/compile/from_local.py)
+            from spmd.compile.from_local import from_local_in_graph
+
+            return from_local_in_graph(
+                local_tensor, device_mesh, placements, run_check, shape, stride, rank=thread_rank()
+            )
+        return from_local_eager(local_tensor, device_mesh, placements, run_check, shape, stride)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (autograd flows back into the DTensor).
@@ -298,6 +303,25 @@ def _check_and_gather_shape(
                 f"(uneven pieces e.g. {shard_sizes(7, 4)} for 7 over 4) or the right shape="
             )
     return tuple(global_shape)
+
+
+def from_local_eager(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement] | None,
+    run_check: bool,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+) -> DTensor:
+    """``DTensor.from_local`` after its type checks: placements checked, then the autograd function.
+
+    Under torch.compile this runs inside the traced call, where the mesh's properties can be read
+    (Dynamo cannot read a property of a mesh it received from outside the region).
+    """
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    normalized = normalize_placements(placements, device_mesh, local_tensor.ndim)
+    return _FromLocal.apply(local_tensor, device_mesh, normalized, run_check, shape, stride)  # type: ignore[no-untyped-call]
 
 
 class _FromLocal(torch.autograd.Function):

@@ -150,6 +150,19 @@ class Communicator(ABC):
         self.timeout_s = timeout_s
         self._views: dict[str, Communicator] = {}
 
+    # Identity is what a communicator is (a group of one world): torch.compile guards on it by ``==``.
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """Source that finds this communicator again, should a compiled graph hold it as a constant."""
+        from spmd.tensor.comm.library_ops import communicator_for
+
+        return f"communicator_for({self.group_handle()})", {"communicator_for": communicator_for}
+
     @property
     @abstractmethod
     def local_rank(self) -> int:
@@ -183,6 +196,10 @@ class Communicator(ABC):
         view.context = context
         return view
 
+    def group_handle(self) -> int:
+        """The int that names this communicator inside the ``spmd::`` ops."""
+        return group_handle(self)
+
     def describe(self, kind: str) -> str:
         """``all_reduce on mesh dim 'tp' (ranks [0, 1])``: how errors name a collective."""
         return collective_name(kind, self.ranks, self.mesh_dim)
@@ -198,41 +215,41 @@ class Communicator(ABC):
         if _collective_check is not None:
             _collective_check(self, "all_gather", tensor, "")
         self._record("all_gather", _nbytes(tensor) * self.size)
-        return COLLECTIVE_OPS["all_gather"](tensor.contiguous(), group_handle(self), self.size)
+        return COLLECTIVE_OPS["all_gather"](tensor.contiguous(), self.group_handle(), self.size)
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         if _collective_check is not None:
             _collective_check(self, "all_reduce", tensor, reduce_op)
         self._record("all_reduce", _nbytes(tensor))
-        return COLLECTIVE_OPS["all_reduce"](tensor.contiguous(), group_handle(self), reduce_op)
+        return COLLECTIVE_OPS["all_reduce"](tensor.contiguous(), self.group_handle(), reduce_op)
 
     def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """Reduce ``stacked`` (``[size, *block]``) over members; member i keeps reduced block i."""
         if _collective_check is not None:
             _collective_check(self, "reduce_scatter", stacked, reduce_op)
         self._record("reduce_scatter", _nbytes(stacked))
-        return COLLECTIVE_OPS["reduce_scatter"](stacked.contiguous(), group_handle(self), reduce_op)
+        return COLLECTIVE_OPS["reduce_scatter"](stacked.contiguous(), self.group_handle(), reduce_op)
 
     def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         """Member i sends block j to member j; the result stacks the blocks received, by sender."""
         if _collective_check is not None:
             _collective_check(self, "all_to_all", stacked, "")
         self._record("all_to_all", _nbytes(stacked))
-        return COLLECTIVE_OPS["all_to_all"](stacked.contiguous(), group_handle(self))
+        return COLLECTIVE_OPS["all_to_all"](stacked.contiguous(), self.group_handle())
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Every member gets member ``src``'s tensor (``src`` is an index into ``ranks``)."""
         if _collective_check is not None:
             _collective_check(self, "broadcast", tensor, f"src={src}")
         self._record("broadcast", _nbytes(tensor))
-        return COLLECTIVE_OPS["broadcast"](tensor.contiguous(), group_handle(self), src)
+        return COLLECTIVE_OPS["broadcast"](tensor.contiguous(), self.group_handle(), src)
 
     def scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         """Member i gets block i of member ``src``'s ``stacked``; every member passes a same-shaped buffer."""
         if _collective_check is not None:
             _collective_check(self, "scatter", stacked, f"src={src}")
         self._record("scatter", _nbytes(stacked))
-        return COLLECTIVE_OPS["scatter"](stacked.contiguous(), group_handle(self), src)
+        return COLLECTIVE_OPS["scatter"](stacked.contiguous(), self.group_handle(), src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""

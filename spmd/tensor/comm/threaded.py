@@ -40,7 +40,23 @@ DEFAULT_TIMEOUT_S = 60.0
 T = TypeVar("T")
 
 
-_current = threading.local()
+class _RankThread(threading.local):
+    """The threaded world and rank of the calling thread (None outside ``run_threaded``)."""
+
+    world: ThreadedWorld | None = None
+    rank: int | None = None
+
+
+_current = _RankThread()
+
+
+def thread_rank() -> int | None:
+    """The calling thread's rank in a threaded world, else None.
+
+    torch.compile guards on this value wherever spmd reads it in a traced region (``from_local``),
+    so the rank threads of one process, which share the compiled-code cache, each get their own graph.
+    """
+    return _current.rank
 
 
 def current_threaded_world() -> ThreadedWorld | None:
