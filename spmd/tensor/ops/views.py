@@ -4,8 +4,9 @@ Input and output shapes are cut into groups: runs of dims whose sizes multiply t
 (size-1 dims are left out, they hold no shard). For a group whose first input dim is d and first
 output dim is o:
   S(d) -> S(o)  when d and o have the same size (the dim survives the view unchanged);
-  S(d) -> S(o)  when both sizes divide by the mesh size (flatten / unflatten: each rank's block is
-                then one contiguous run of the group, exactly the block S(o) gives it);
+  S(d) -> S(o)  when both sizes divide by the number of pieces d is cut into (flatten / unflatten:
+                each rank's block is then one contiguous run of the group, exactly the block S(o)
+                gives it; see ``shard_pieces``);
   any other sharded dim is replicated first.  R -> R;  P -> P (a view moves no value).
   squeeze:  S(d) -> S(d') unless d is a squeezed dim some rank could hold a 1-long piece of (the
             local squeeze would drop it); d' = d less the removed dims before it.
@@ -27,7 +28,7 @@ from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
-__all__ = ["view_groups", "view_shard_map", "local_view_size", "local_view_args", "never_one_long"]
+__all__ = ["view_groups", "view_shard_map", "shard_pieces", "local_view_size", "local_view_args", "never_one_long"]
 
 aten = torch.ops.aten
 
@@ -59,17 +60,32 @@ def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple
     return groups
 
 
-def view_shard_map(in_shape: Sequence[int], out_shape: Sequence[int], mesh_size: int) -> dict[int, int]:
-    """Input dims whose shard survives the view: ``{input dim: output dim}`` (see the module doc)."""
+def view_shard_map(in_shape: Sequence[int], out_shape: Sequence[int], pieces: int) -> dict[int, int]:
+    """Input dims whose shard survives the view: ``{input dim: output dim}`` (see the module doc).
+
+    ``pieces``: the most pieces a dim may be cut into (``shard_pieces``).
+    """
     if math.prod(in_shape) == 0:
         return {}
     mapping: dict[int, int] = {}
     for group_in, group_out in view_groups(in_shape, out_shape):
         d, o = group_in[0], group_out[0]
-        same = in_shape[d] == out_shape[o]
-        if same or (in_shape[d] % mesh_size == 0 and out_shape[o] % mesh_size == 0):
+        if in_shape[d] == out_shape[o] or (in_shape[d] % pieces == 0 and out_shape[o] % pieces == 0):
             mapping[d] = o
     return mapping
+
+
+def shard_pieces(spec: DTensorSpec) -> int:
+    """The most pieces a shape op's output dim could be cut into, for the divisibility checks.
+
+    A one-input shape op keeps R and P where its input has them (that costs nothing; sharding
+    would cost a copy), so only the mesh dims where the input is sharded, on any dim, can shard the
+    output: the product of their sizes bounds the pieces. An input sharded nowhere is checked
+    against the whole mesh. (Checking against the whole mesh always would drop the shard of a
+    2-long batch over dp=2 on a dp x tp mesh.)
+    """
+    sharded = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements) if isinstance(p, Shard))
+    return sharded if sharded > 1 else spec.mesh.size()
 
 
 def local_view_size(
@@ -104,7 +120,7 @@ def view_rule(call: OpCall) -> Sequence[OpStrategy]:
     spec = call.input_specs[0]
     meta = call.output_metas[0]
     assert meta is not None
-    mapping = view_shard_map(spec.shape, meta.shape, spec.mesh.size())
+    mapping = view_shard_map(spec.shape, meta.shape, shard_pieces(spec))
     candidates = [OpStrategy((R,), (R,))]
     candidates += [OpStrategy((Shard(d),), (Shard(o),)) for d, o in mapping.items()]
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
@@ -141,10 +157,10 @@ def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     else:
         named = {normalize_dim(int(dims_arg), len(shape))}
     removed = [d for d in named if d < len(shape) and shape[d] == 1]
-    mesh_size = spec.mesh.size()
+    pieces = shard_pieces(spec)
     candidates = [OpStrategy((R,), (R,))]
     for d, size in enumerate(shape):
-        if size == 1 or (d in named and not never_one_long(size, mesh_size)):
+        if size == 1 or (d in named and not never_one_long(size, pieces)):
             continue
         candidates.append(OpStrategy((Shard(d),), (Shard(d - sum(1 for r in removed if r < d)),)))
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
@@ -159,10 +175,10 @@ def view_dtype_rule(call: OpCall) -> Sequence[OpStrategy]:
     meta = call.output_metas[0]
     assert meta is not None
     ndim = spec.ndim
-    mesh_size = spec.mesh.size()
+    pieces = shard_pieces(spec)
     candidates = [OpStrategy((R,), (R,))]
     for d in range(ndim):
         resized = spec.shape[d] != meta.shape[d]
-        if not resized or (spec.shape[d] % mesh_size == 0 and meta.shape[d] % mesh_size == 0):
+        if not resized or (spec.shape[d] % pieces == 0 and meta.shape[d] % pieces == 0):
             candidates.append(OpStrategy((Shard(d),), (Shard(d),)))
     return candidates
