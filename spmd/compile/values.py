@@ -49,10 +49,11 @@ _MEMBERS: dict[type, dict[str, MemberType]] = {
         USE_REAL,
     ),
     Communicator: dict.fromkeys(
-        ("size", "ranks", "local_rank", "mesh_dim", "group_handle", "describe", "with_context", "_record", "__eq__"),
-        USE_REAL,
+        ("size", "ranks", "local_rank", "mesh_dim", "group_handle", "describe", "with_context", "__eq__"), USE_REAL
     )
-    | dict.fromkeys(("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter"), INLINED),
+    | dict.fromkeys(
+        ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter", "_check"), INLINED
+    ),
 }
 """What traced code may use of each value; anything else is a Dynamo error naming the member."""
 

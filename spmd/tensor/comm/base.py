@@ -5,9 +5,10 @@ plain local tensors; "stacked" tensors carry one equal-sized block per group mem
 way NCCL lays out all_gather/reduce_scatter buffers. Padding for uneven shards is the caller's
 job (the redistribute executor), so both backends run the same data path.
 
-Each public collective runs the check and the traffic record here, then calls its ``spmd::`` op
-(library_ops.py), which runs the backend's private method: so ``torch.compile`` graphs hold the
-collectives as ops, while eager code gets the same results, records and checks as before.
+Each public collective runs the collective check here, then calls its ``spmd::`` op
+(library_ops.py), which records the traffic and runs the backend's private method. So
+``torch.compile`` graphs hold the collectives as ops, and a compiled graph records its collectives
+when it runs, as eager code does.
 """
 
 from __future__ import annotations
@@ -127,10 +128,6 @@ def remove_comm_observer(observer: Callable[[CollectiveRecord], None]) -> None:
             _observers.remove(observer)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class Communicator(ABC):
     """Collectives over the ranks of one mesh dimension (``ranks`` in group order).
 
@@ -204,6 +201,15 @@ class Communicator(ABC):
         """``all_reduce on mesh dim 'tp' (ranks [0, 1])``: how errors name a collective."""
         return collective_name(kind, self.ranks, self.mesh_dim)
 
+    def _check(self, kind: str, tensor: torch.Tensor, detail: str) -> None:
+        """Run the collective check, if one is installed, before an eager collective.
+
+        Compiled code skips it (torch.compile holds the ``spmd::`` op, not this call); the check is
+        itself a collective, so do not combine it with compiling on rank threads.
+        """
+        if _collective_check is not None and not torch.compiler.is_compiling():
+            _collective_check(self, kind, tensor, detail)
+
     def _record(self, kind: str, tensor_bytes: int) -> None:
         if _observers:
             record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks, self.ranks[self.local_rank])
@@ -212,43 +218,31 @@ class Communicator(ABC):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Blocks of every member stacked on a new dim 0: shape ``[size, *tensor.shape]``."""
-        if _collective_check is not None:
-            _collective_check(self, "all_gather", tensor, "")
-        self._record("all_gather", _nbytes(tensor) * self.size)
+        self._check("all_gather", tensor, "")
         return COLLECTIVE_OPS["all_gather"](tensor.contiguous(), self.group_handle(), self.size)
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        if _collective_check is not None:
-            _collective_check(self, "all_reduce", tensor, reduce_op)
-        self._record("all_reduce", _nbytes(tensor))
+        self._check("all_reduce", tensor, reduce_op)
         return COLLECTIVE_OPS["all_reduce"](tensor.contiguous(), self.group_handle(), reduce_op)
 
     def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """Reduce ``stacked`` (``[size, *block]``) over members; member i keeps reduced block i."""
-        if _collective_check is not None:
-            _collective_check(self, "reduce_scatter", stacked, reduce_op)
-        self._record("reduce_scatter", _nbytes(stacked))
+        self._check("reduce_scatter", stacked, reduce_op)
         return COLLECTIVE_OPS["reduce_scatter"](stacked.contiguous(), self.group_handle(), reduce_op)
 
     def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         """Member i sends block j to member j; the result stacks the blocks received, by sender."""
-        if _collective_check is not None:
-            _collective_check(self, "all_to_all", stacked, "")
-        self._record("all_to_all", _nbytes(stacked))
+        self._check("all_to_all", stacked, "")
         return COLLECTIVE_OPS["all_to_all"](stacked.contiguous(), self.group_handle())
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Every member gets member ``src``'s tensor (``src`` is an index into ``ranks``)."""
-        if _collective_check is not None:
-            _collective_check(self, "broadcast", tensor, f"src={src}")
-        self._record("broadcast", _nbytes(tensor))
+        self._check("broadcast", tensor, f"src={src}")
         return COLLECTIVE_OPS["broadcast"](tensor.contiguous(), self.group_handle(), src)
 
     def scatter(self, stacked: torch.Tensor, src: int) -> torch.Tensor:
         """Member i gets block i of member ``src``'s ``stacked``; every member passes a same-shaped buffer."""
-        if _collective_check is not None:
-            _collective_check(self, "scatter", stacked, f"src={src}")
-        self._record("scatter", _nbytes(stacked))
+        self._check("scatter", stacked, f"src={src}")
         return COLLECTIVE_OPS["scatter"](stacked.contiguous(), self.group_handle(), src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -7,8 +7,9 @@ communicator travels as an int handle: ``group_handle(comm)`` registers it once,
 it up again when it runs. The handle names one communicator object of one world (a threaded
 world's communicator serves all of its rank threads; the caller's rank is found at run time).
 
-Every op returns a new tensor (never a view of its input), as a functional op must; the backends'
-private methods (``Communicator._all_gather`` ...) already do.
+Each op records its traffic (what CommDebugMode counts) and runs the backend's private method
+(``Communicator._all_gather`` ...), in eager code and in a compiled graph alike. Every op returns a
+new tensor (never a view of its input), as a functional op must; the backends already do.
 """
 
 from __future__ import annotations
@@ -70,29 +71,45 @@ for _schema in _SCHEMAS.values():
     _library.define(_schema)  # type: ignore[no-untyped-call]
 
 
-# ----- what runs: the group's backend ------------------------------------------------------------
+# ----- what runs: the traffic record, then the group's backend -----------------------------------
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _all_gather(tensor: torch.Tensor, group: int, group_size: int) -> torch.Tensor:
-    return communicator_for(group)._all_gather(tensor)
+    comm = communicator_for(group)
+    comm._record("all_gather", _nbytes(tensor) * comm.size)
+    return comm._all_gather(tensor)
 
 
 def _all_reduce(tensor: torch.Tensor, group: int, reduce_op: str) -> torch.Tensor:
-    return communicator_for(group)._all_reduce(tensor, reduce_op)
+    comm = communicator_for(group)
+    comm._record("all_reduce", _nbytes(tensor))
+    return comm._all_reduce(tensor, reduce_op)
 
 
 def _reduce_scatter(stacked: torch.Tensor, group: int, reduce_op: str) -> torch.Tensor:
-    return communicator_for(group)._reduce_scatter(stacked, reduce_op)
+    comm = communicator_for(group)
+    comm._record("reduce_scatter", _nbytes(stacked))
+    return comm._reduce_scatter(stacked, reduce_op)
 
 
 def _all_to_all(stacked: torch.Tensor, group: int) -> torch.Tensor:
-    return communicator_for(group)._all_to_all(stacked)
+    comm = communicator_for(group)
+    comm._record("all_to_all", _nbytes(stacked))
+    return comm._all_to_all(stacked)
 
 
 def _broadcast(tensor: torch.Tensor, group: int, src: int) -> torch.Tensor:
-    return communicator_for(group)._broadcast(tensor, src)
+    comm = communicator_for(group)
+    comm._record("broadcast", _nbytes(tensor))
+    return comm._broadcast(tensor, src)
 
 
 def _scatter(stacked: torch.Tensor, group: int, src: int) -> torch.Tensor:
-    return communicator_for(group)._scatter(stacked, src)
+    comm = communicator_for(group)
+    comm._record("scatter", _nbytes(stacked))
+    return comm._scatter(stacked, src)
 
 
 # ----- what the compiler sees while tracing: shapes only ------------------------------------------
@@ -120,9 +137,14 @@ _KERNELS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tenso
     "broadcast": (_broadcast, _same_shape_fake),
     "scatter": (_scatter, _one_block_fake),
 }
+# Real meta tensors (spmd.simulate's worlds) run the backend too, which records the collective; only
+# the compiler's fake tensors get the fake kernel. register_fake also claims the Meta key, so the
+# Meta kernel is registered after it.
+_meta_library = torch.library.Library("spmd", "IMPL", "Meta")  # type: ignore[no-untyped-call]
 for _name, (_kernel, _fake) in _KERNELS.items():
     _library.impl(_name, _kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake(f"spmd::{_name}", _fake, lib=_library)
+    _meta_library.impl(_name, _kernel)  # type: ignore[no-untyped-call]
 
 COLLECTIVE_OPS = {name: getattr(torch.ops.spmd, name).default for name in _SCHEMAS}
 """``{"all_gather": torch.ops.spmd.all_gather.default, ...}``: the overloads the base class calls."""
