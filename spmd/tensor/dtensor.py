@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -107,6 +108,24 @@ class DTensor(torch.Tensor):
                 spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
             )
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    @classmethod
+    def __metadata_guard__(cls, expected: tuple[DTensorSpec, bool, int], actual: tuple[DTensorSpec, bool, int]) -> bool:
+        """torch.compile's check that a DTensor input still matches the graph it was traced for.
+
+        Dynamo names a failed check only by an opaque id, so a mismatch is also logged on the
+        ``spmd.compile`` logger (``logging.getLogger("spmd.compile").setLevel(logging.INFO)``),
+        saying what differs: the spec (placements, shape, stride, dtype, mesh), requires_grad or rank.
+        Dynamo may check one input against several graphs (and again to explain a recompile), so
+        one recompile can log more than one line.
+        """
+        if expected == actual:
+            return True
+        if _COMPILE_LOGGER.isEnabledFor(logging.INFO):
+            _COMPILE_LOGGER.info(
+                "DTensor input differs from a compiled graph's: %s", _describe_change(expected, actual)
+            )
+        return False
 
     def __coerce_tangent_metadata__(self) -> DTensor:
         """A gradient flowing into a compiled backward is never Partial: reduce it first."""
@@ -245,6 +264,15 @@ class DTensor(torch.Tensor):
         from spmd.tensor import checkpoint_protocol
 
         return checkpoint_protocol.get_tensor_shard(self, index)
+
+
+_COMPILE_LOGGER = logging.getLogger("spmd.compile")
+
+
+def _describe_change(expected: tuple[DTensorSpec, bool, int], actual: tuple[DTensorSpec, bool, int]) -> str:
+    """``spec f32[4,2] (S(0)) on mesh(d0=2) -> f32[4,2] (R) on mesh(d0=2)``: what a failed guard saw."""
+    names = ("spec", "requires_grad", "rank")
+    return "; ".join(f"{name} {old} -> {new}" for name, old, new in zip(names, expected, actual) if old != new)
 
 
 def _is_list_index(index: Any) -> bool:
