@@ -171,7 +171,9 @@ class CommDebugMode:
         return threading.get_ident() == self._thread
 
     def _enter_module(self, module: nn.Module, inputs: Any) -> None:
-        if not self._mine():
+        # A compiled graph's collectives are still counted when it runs, but not per module: the
+        # hooks below cannot be traced (and a traced hook would only run at compile time).
+        if torch.compiler.is_compiling() or not self._mine():
             return
         name = self._modules.name_of(module)
         self._modules.stack.append(name)
