@@ -15,6 +15,7 @@ forward and backward only and reduce-scatters the gradients). The loss is comput
     python examples/train_transformer.py --no-sequence-parallel # norms on whole (replicated) activations
     python examples/train_transformer.py --steps 10 --save ckpt/step-10          # a DCP checkpoint
     python examples/train_transformer.py --steps 20 --resume ckpt/step-10 --dp 1 --tp 4 --check  # any mesh
+    python examples/train_transformer.py --compile inductor --check  # forward + backward under torch.compile
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
 Under torchrun (detected by the RANK env var) the ranks are processes talking over gloo;
@@ -82,6 +83,8 @@ class Config:
     """Directory to write a distributed checkpoint (DCP's format) to after the last step."""
     resume: str | None = None
     """Checkpoint directory to continue from: its step, weights and AdamW state, on this run's mesh."""
+    compile: str | None = None
+    """torch.compile backend ("inductor", "aot_eager") for forward + loss (+ their backward), or None."""
 
 
 # ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
@@ -224,9 +227,18 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
-def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False) -> GPT:
-    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``."""
-    parallelize_module(model, mesh, tp_plan(sequence_parallel=sequence_parallel))
+def apply_tp_and_dp(
+    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False, compiled: bool = False
+) -> GPT:
+    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``.
+
+    ``compiled``: the embedding stays replicated over tp, since the row-wise lookup checks the ids'
+    values (to raise IndexError as torch does), which a compiled graph cannot branch on yet.
+    """
+    plan = tp_plan(sequence_parallel=sequence_parallel)
+    if compiled:
+        del plan["tok_emb"]
+    parallelize_module(model, mesh, plan)
     if fsdp:
         return apply_fsdp(model, mesh)
     replicate_over_dp(model, mesh)
@@ -234,17 +246,27 @@ def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = F
 
 
 # ----- training ----------------------------------------------------------------------------------
+def next_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward and the cross entropy of every position (vocab-parallel inside ``loss_parallel``)."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Any = next_token_loss,
 ) -> float:
     """One step of next-token prediction; returns the loss (the mean over the global batch).
 
     The gradients are cleared at the start, so after the step they are there to be looked at.
+    ``loss_fn`` may be ``next_token_loss`` compiled (``--compile``).
     """
     optimizer.zero_grad()
-    logits = model(inputs)
     with loss_parallel():
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        loss = loss_fn(model, inputs, targets)
         loss.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
     return float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
@@ -259,8 +281,13 @@ def train(cfg: Config) -> list[float]:
     """Train on the (dp, tp) mesh of the current world (threads or torchrun processes); the loss per step."""
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     is_rank_0 = mesh.get_rank() == 0
-    model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp)
+    model = apply_tp_and_dp(
+        build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp, compiled=bool(cfg.compile)
+    )
     optimizer = make_optimizer(model, cfg)
+    loss_fn = next_token_loss
+    if cfg.compile:
+        loss_fn = torch.compile(next_token_loss, backend=cfg.compile, fullgraph=True)
 
     def place(batch: torch.Tensor) -> DTensor:
         # Every rank can build the global batch here; src_data_rank=None keeps its own dp slice, no traffic.
@@ -274,7 +301,7 @@ def train(cfg: Config) -> list[float]:
         inputs, targets = batch_at(cfg, step)
         # Count the collectives of a warm step (the first step also creates the optimizer state).
         with comm if step == min(start + 1, cfg.steps - 1) else contextlib.nullcontext():
-            losses.append(train_step(model, optimizer, place(inputs), place(targets)))
+            losses.append(train_step(model, optimizer, place(inputs), place(targets), loss_fn))
         progress.update(step, losses[-1])
     progress.close()
     if cfg.save:
@@ -431,6 +458,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
         "--resume", metavar="DIR", help="continue from a checkpoint, saved on any mesh, up to --steps in all"
     )
     parser.add_argument("--check", action="store_true", help="compare the loss curve with a single-device run")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        choices=("inductor", "aot_eager", "eager"),
+        help="run forward + loss (and their backward) under torch.compile(fullgraph=True); default backend inductor",
+    )
     args = parser.parse_args(argv)
     cfg = Config(
         steps=args.steps,
@@ -440,6 +474,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
         fsdp=args.fsdp,
         save=args.save,
         resume=args.resume,
+        compile=args.compile,
     )
     return cfg, args.check
 
@@ -479,7 +514,9 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the rank threads already keep the cores busy
     try:
-        losses = run_threaded(train, cfg.dp * cfg.tp, cfg)[0]
+        # Compiles are serialised (torch.compile holds a process-wide lock), so peers wait longer.
+        timeout = 600.0 if cfg.compile else 60.0
+        losses = run_threaded(train, cfg.dp * cfg.tp, cfg, timeout=timeout)[0]
     finally:
         torch.set_num_threads(threads)
     if check:
