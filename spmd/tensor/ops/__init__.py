@@ -17,10 +17,12 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     reductions,
     reductions_scan,
     scatter_ops,
+    search_ops,
     shape_ops,
     sort_ops,
     tensor_ops,
     views,
+    whole_ops,
 )
 from spmd.tensor.ops.registry import REGISTRY, OpCall, OpStrategy, register_rule
 

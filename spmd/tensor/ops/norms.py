@@ -13,6 +13,7 @@ Batch norm, input (N, C, *), per-channel params and stats (C):
                 the call runs on replicated copies of them, which are then copied back in place
   backward (grad, x, w, running..., saved...):  channel shards -> S(1), S(0), S(0); eval mode
                 S(d) -> S(d), P(sum), P(sum) (weight and bias grads sum over d); grad P -> P, P, P
+renorm(x, p, dim, maxnorm): each slice along dim is rescaled by its own norm: S(dim) -> S(dim); R -> R
 Group norm, input (N, C, *), stats (N, group):
   x S(0), params R -> out, mean, rstd S(0) (N is global in the arguments: the local call gets its own)
   backward (grad, x, mean, rstd, w):  S(0) -> S(0), P(sum), P(sum);  grad P -> P, P, P
@@ -215,3 +216,11 @@ def group_norm_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     weight = (R,) * (len(call.input_specs) - 4)
     candidates = [OpStrategy((R, R, R, R, *weight), (R, R, R)), OpStrategy((S0, S0, S0, S0, *weight), (S0, SUM, SUM))]
     return candidates + [OpStrategy((p, R, R, R, *weight), (p, p, p)) for p in LINEAR_PARTIALS]
+
+
+@register_rule(aten.renorm.default, aten.renorm_.default)
+def renorm_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """renorm(x, p, dim, maxnorm): S(dim) -> S(dim) (the slices along dim are independent); R -> R."""
+    x = call.input_specs[0]
+    dim = int(call.arg(2, "dim")) % max(x.ndim, 1)
+    return [OpStrategy((R,), (R,)), OpStrategy((Shard(dim),), (Shard(dim),))]

@@ -64,6 +64,18 @@ def cross_rule(call: OpCall) -> Sequence[OpStrategy]:
     return candidates + [OpStrategy((R, p), (p,)) for p in LINEAR_PARTIALS]
 
 
+@register_rule(aten._trilinear.default)
+def trilinear_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim): the einsum it stands for."""
+    expands = [{int(d) for d in call.arg(3 + k, f"expand{k + 1}")} for k in range(3)]
+    summed = {int(d) for d in call.arg(6, "sumdim")}
+    ndim = call.input_specs[0].ndim + len(expands[0])
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    inputs = tuple("".join(c for d, c in enumerate(letters) if d not in expand) for expand in expands)
+    output = "".join(c for d, c in enumerate(letters) if d not in summed)
+    return contraction_candidates(inputs, output)
+
+
 # ----- trace ---------------------------------------------------------------------------------------
 def _local_trace(
     op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]

@@ -16,6 +16,8 @@ zero under each reduction). A shard survives on a dim the op does not cut, rever
                         diagonal_backward the other way round (its zero fill keeps partials)
   tril, triu(k):        S(d) -> S(d) for every d, the last two included: the local call shifts the
                         diagonal by the shard's row offset minus its column offset
+  _chunk_cat(tensors, dim, n): S(d) x ... -> S(d) for d < dim where no piece is empty (each row is
+                        chunked and packed on its own; the zero padding keeps partials)
   repeat_interleave(counts): R -> R (the int form runs as unsqueeze/expand/reshape, which keep shards)
 expand lives in reductions.py (it is the backward of every reduction).
 """
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
+from spmd.tensor.ops.matrix import no_empty_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size
 from spmd.tensor.placement import Placement, Shard
@@ -95,6 +98,16 @@ def cat_rule(call: OpCall) -> Sequence[OpStrategy]:
     ndim = len(meta.shape)
     dim = normalize_dim(call.arg(1, "dim", 0), ndim)
     return _joined(call.input_specs, ndim, {d: d for d in range(ndim) if d != dim})
+
+
+@register_rule(aten._chunk_cat.default)
+def chunk_cat_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x ... x S(d) -> S(d) for the dims before dim (the chunked and packed ones are whole) where
+    no piece is empty (the kernel rejects empty tensors); P -> P."""
+    first = call.input_specs[0]
+    dim = normalize_dim(call.arg(1, "dim"), first.ndim)
+    kept = [d for d in range(dim) if no_empty_shards(first.shape[d], first.mesh.shape)]
+    return _joined(call.input_specs, first.ndim, {d: d for d in kept})
 
 
 @register_rule(aten.stack.default)

@@ -1,7 +1,7 @@
 """Ops that keep the layout: aliases, copies, casts, and ``*_like`` factories.
 
   detach, alias, clone, _to_copy:  p -> p for every placement
-  zeros_like:                       p -> p (zero is zero under every reduction)
+  zeros_like, zero_:                p -> p (zero is zero under every reduction)
   ones_like, full_like, empty_like: S(d) -> S(d); R -> R; P -> R (a new value is whole)
   copy_(self, src):                 src follows self's placement (broadcasting like add)
   new_empty_strided, new_zeros, ...: same shape as self: S(d) -> S(d), otherwise R
@@ -23,7 +23,7 @@ aten = torch.ops.aten
 
 
 @register_rule(aten.detach.default, aten.alias.default, aten.alias_copy.default, aten.clone.default,
-               aten._to_copy.default, aten.zeros_like.default)
+               aten._to_copy.default, aten.zeros_like.default, aten.zero_.default)
 def identity_rule(call: OpCall) -> Sequence[OpStrategy]:
     """p -> p: the op touches each element on its own rank and nothing else."""
     return identity_candidates(call.input_specs[0].ndim)
