@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 from spmd.tensor.ops.registry import OpCall, OpStrategy
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.spec import DTensorSpec
 
 __all__ = [
     "R",
@@ -12,6 +15,7 @@ __all__ = [
     "normalize_dim",
     "identity_candidates",
     "pointwise_candidates",
+    "surviving_shards",
 ]
 
 R = Replicate()
@@ -27,7 +31,9 @@ def normalize_dim(dim: int, ndim: int) -> int:
     return dim % bound
 
 
-def identity_candidates(ndim: int, num_inputs: int = 1, *, partials: tuple[Partial, ...] = PARTIALS) -> list[OpStrategy]:
+def identity_candidates(
+    ndim: int, num_inputs: int = 1, *, partials: tuple[Partial, ...] = PARTIALS
+) -> list[OpStrategy]:
     """Every input and the output share one placement: R, S(d) for each dim, or a partial."""
     options: list[Placement] = [R, *(Shard(d) for d in range(ndim)), *partials]
     return [OpStrategy((p,) * num_inputs, (p,)) for p in options]
@@ -90,3 +96,35 @@ def _count_tensor_operands(call: OpCall) -> int:
     """Operands of a binary op, counting Python scalars and plain 0-d tensors as operands too."""
     operands = list(call.args[:2])
     return sum(1 for a in operands if a is not None and not isinstance(a, (bool, str)))
+
+
+def surviving_shards(
+    specs: Sequence[DTensorSpec],
+    dims: Iterable[int],
+    keeps: Callable[[int, tuple[int, ...]], bool],
+    *,
+    partials_stay: bool = False,
+) -> set[int]:
+    """The dims among ``dims`` whose shard an op can keep, given ``keeps(dim, cuts)``.
+
+    ``cuts`` are the sizes of the mesh dims (in mesh order) that may end up sharding ``dim``, so a
+    rule checks divisibility or empty pieces against them rather than against the whole mesh
+    (which would drop the shard of a batch of 64 over dp=64 on a dp x tp mesh). A mesh dim may
+    shard ``dim`` when an input is sharded on ``dim`` there, or when it is *free*: an input there
+    is sharded on a dim that does not survive, or partial (unless ``partials_stay``: the rule offers
+    P -> P for every partial input), so the propagator may move it onto any surviving dim. A mesh
+    dim where the inputs are replicated, or sharded on surviving dims only, keeps that (it costs
+    nothing). Dims that lose their shard free more mesh dims, so this repeats until nothing
+    changes.
+    """
+    n = specs[0].mesh.ndim
+    sizes = specs[0].mesh.shape
+    owners = [{p.dim for s in specs if isinstance(p := s.placements[e], Shard)} for e in range(n)]
+    partial = [not partials_stay and any(isinstance(s.placements[e], Partial) for s in specs) for e in range(n)]
+    survivors = set(dims)
+    while True:
+        free = [partial[e] or bool(owners[e] - survivors) for e in range(n)]
+        kept = {d for d in survivors if keeps(d, tuple(sizes[e] for e in range(n) if free[e] or d in owners[e]))}
+        if kept == survivors:
+            return survivors
+        survivors = kept

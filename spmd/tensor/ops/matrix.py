@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim
+from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, surviving_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard, shard_sizes
 from spmd.tensor.spec import DTensorSpec
@@ -175,11 +175,17 @@ def _attention_candidates(
     candidates = [one((R,) * n_in, (R,) * n_out, R)]
     mesh_shape = q.mesh.shape
     # Batch dims (batch, heads): every tensor has them at the same index, and nothing mixes across them.
+    # Only the mesh dims that may end up sharding a dim are checked (``surviving_shards``).
+    tensors = specs[1:4] if backward else specs[:3]
+
+    def keeps(d: int, cuts: tuple[int, ...]) -> bool:
+        if q.shape[d] == k.shape[d] == v.shape[d] and no_empty_shards(q.shape[d], cuts):
+            return True
+        return d == ndim - 3 and _grouped_heads_split_evenly(q.shape[d], k.shape[d], v.shape[d], cuts)
+
     candidates += [
         one((Shard(d),) * n_in, (Shard(d),) * n_out, Shard(d))
-        for d in range(ndim - 2)
-        if (q.shape[d] == k.shape[d] == v.shape[d] and no_empty_shards(q.shape[d], mesh_shape))
-        or (d == ndim - 3 and _grouped_heads_split_evenly(q.shape[d], k.shape[d], v.shape[d], mesh_shape))
+        for d in sorted(surviving_shards(tensors, range(ndim - 2), keeps))
     ]
     # Query rows are independent unless a causal mask ties row i to key positions (global indices).
     seq = ndim - 2

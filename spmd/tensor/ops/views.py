@@ -6,7 +6,7 @@ output dim is o:
   S(d) -> S(o)  when d and o have the same size (the dim survives the view unchanged);
   S(d) -> S(o)  when both sizes divide by the number of pieces d is cut into (flatten / unflatten:
                 each rank's block is then one contiguous run of the group, exactly the block S(o)
-                gives it; see ``shard_pieces``);
+                gives it; see ``surviving_shards``);
   any other sharded dim is replicated first.  R -> R;  P -> P (a view moves no value).
   squeeze:  S(d) -> S(d') unless d is a squeezed dim some rank could hold a 1-long piece of (the
             local squeeze would drop it); d' = d less the removed dims before it.
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
+from spmd.tensor.ops.common import PARTIALS, R, normalize_dim, surviving_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
-__all__ = ["view_groups", "view_shard_map", "shard_pieces", "local_view_size", "local_view_args", "never_one_long"]
+__all__ = ["view_groups", "view_shard_map", "local_view_size", "local_view_args", "never_one_long"]
 
 aten = torch.ops.aten
 
@@ -60,32 +60,18 @@ def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple
     return groups
 
 
-def view_shard_map(in_shape: Sequence[int], out_shape: Sequence[int], pieces: int) -> dict[int, int]:
-    """Input dims whose shard survives the view: ``{input dim: output dim}`` (see the module doc).
-
-    ``pieces``: the most pieces a dim may be cut into (``shard_pieces``).
-    """
+def view_shard_map(spec: DTensorSpec, out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dims whose shard survives the view: ``{input dim: output dim}`` (see the module doc)."""
+    in_shape = spec.shape
     if math.prod(in_shape) == 0:
         return {}
-    mapping: dict[int, int] = {}
-    for group_in, group_out in view_groups(in_shape, out_shape):
-        d, o = group_in[0], group_out[0]
-        if in_shape[d] == out_shape[o] or (in_shape[d] % pieces == 0 and out_shape[o] % pieces == 0):
-            mapping[d] = o
-    return mapping
+    leaders = {group_in[0]: group_out[0] for group_in, group_out in view_groups(in_shape, out_shape)}
 
+    def keeps(d: int, cuts: tuple[int, ...]) -> bool:
+        o, pieces = leaders[d], math.prod(cuts)
+        return in_shape[d] == out_shape[o] or (in_shape[d] % pieces == 0 and out_shape[o] % pieces == 0)
 
-def shard_pieces(spec: DTensorSpec) -> int:
-    """The most pieces a shape op's output dim could be cut into, for the divisibility checks.
-
-    A one-input shape op keeps R and P where its input has them (that costs nothing; sharding
-    would cost a copy), so only the mesh dims where the input is sharded, on any dim, can shard the
-    output: the product of their sizes bounds the pieces. An input sharded nowhere is checked
-    against the whole mesh. (Checking against the whole mesh always would drop the shard of a
-    2-long batch over dp=2 on a dp x tp mesh.)
-    """
-    sharded = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements) if isinstance(p, Shard))
-    return sharded if sharded > 1 else spec.mesh.size()
+    return {d: leaders[d] for d in sorted(surviving_shards([spec], leaders, keeps, partials_stay=True))}
 
 
 def local_view_size(
@@ -113,14 +99,19 @@ def local_view_args(
     return args, kwargs
 
 
-@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default,
-               local_args=local_view_args)
+@register_rule(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.view_copy.default,
+    local_args=local_view_args,
+)
 def view_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(o) for a dim that survives, or leads a flatten/unflatten group evenly; R -> R; P -> P."""
     spec = call.input_specs[0]
     meta = call.output_metas[0]
     assert meta is not None
-    mapping = view_shard_map(spec.shape, meta.shape, shard_pieces(spec))
+    mapping = view_shard_map(spec, meta.shape)
     candidates = [OpStrategy((R,), (R,))]
     candidates += [OpStrategy((Shard(d),), (Shard(o),)) for d, o in mapping.items()]
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
@@ -143,8 +134,17 @@ def never_one_long(size: int, mesh_size: int) -> bool:
     return size % mesh_size == 0 and size // mesh_size != 1
 
 
-@register_rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_.default, aten.squeeze_.dim,
-               aten.squeeze_.dims, aten.squeeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims)
+@register_rule(
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze_.default,
+    aten.squeeze_.dim,
+    aten.squeeze_.dims,
+    aten.squeeze_copy.default,
+    aten.squeeze_copy.dim,
+    aten.squeeze_copy.dims,
+)
 def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) -> S(d less removed dims before it); a named dim of size > 1 keeps S only if no piece is 1 long."""
     spec = call.input_specs[0]
@@ -157,12 +157,14 @@ def squeeze_rule(call: OpCall) -> Sequence[OpStrategy]:
     else:
         named = {normalize_dim(int(dims_arg), len(shape))}
     removed = [d for d in named if d < len(shape) and shape[d] == 1]
-    pieces = shard_pieces(spec)
+    kept = surviving_shards(
+        [spec],
+        [d for d, size in enumerate(shape) if size != 1],
+        lambda d, cuts: d not in named or never_one_long(shape[d], math.prod(cuts)),
+        partials_stay=True,
+    )
     candidates = [OpStrategy((R,), (R,))]
-    for d, size in enumerate(shape):
-        if size == 1 or (d in named and not never_one_long(size, pieces)):
-            continue
-        candidates.append(OpStrategy((Shard(d),), (Shard(d - sum(1 for r in removed if r < d)),)))
+    candidates += [OpStrategy((Shard(d),), (Shard(d - sum(1 for r in removed if r < d)),)) for d in sorted(kept)]
     candidates += [OpStrategy((p,), (p,)) for p in PARTIALS]
     return candidates
 
@@ -174,11 +176,12 @@ def view_dtype_rule(call: OpCall) -> Sequence[OpStrategy]:
     spec = call.input_specs[0]
     meta = call.output_metas[0]
     assert meta is not None
-    ndim = spec.ndim
-    pieces = shard_pieces(spec)
+
+    def keeps(d: int, cuts: tuple[int, ...]) -> bool:
+        pieces = math.prod(cuts)
+        return spec.shape[d] == meta.shape[d] or (spec.shape[d] % pieces == 0 and meta.shape[d] % pieces == 0)
+
+    kept = surviving_shards([spec], range(spec.ndim), keeps)
     candidates = [OpStrategy((R,), (R,))]
-    for d in range(ndim):
-        resized = spec.shape[d] != meta.shape[d]
-        if not resized or (spec.shape[d] % pieces == 0 and meta.shape[d] % pieces == 0):
-            candidates.append(OpStrategy((Shard(d),), (Shard(d),)))
+    candidates += [OpStrategy((Shard(d),), (Shard(d),)) for d in sorted(kept)]
     return candidates

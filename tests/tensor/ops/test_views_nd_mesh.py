@@ -30,3 +30,13 @@ class ViewOnTwoDimMeshTest(DTensorTestBase):
         x = seeded_randn(3, 4).requires_grad_()  # 3 rows over dp=2: pieces 2 and 1
         y = check_against_torch(lambda t: t.view(12), x, placements=[[Shard(0), Replicate()]], mesh=mesh)
         self.assertEqual(y.placements, (Replicate(), Replicate()))
+
+    @with_comms
+    def test_splitting_heads_keeps_both_shards(self) -> None:
+        """[batch, seq, dim] as (dp: S(0), tp: S(2)) -> [batch, seq, heads, head_dim]: dim splits by tp only."""
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = seeded_randn(2, 3, 8).requires_grad_()
+        y = check_against_torch(
+            lambda t: t.view(2, 3, 2, 4), x, placements=[[Shard(0), Shard(2)]], mesh=mesh, collectives=0
+        )
+        self.assertEqual(y.placements, (Shard(0), Shard(2)))
