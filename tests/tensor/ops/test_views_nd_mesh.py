@@ -3,7 +3,7 @@ not by the whole mesh (a batch of 2 over dp=2 on a dp x tp mesh stays sharded)."
 
 from __future__ import annotations
 
-from spmd.tensor import Replicate, Shard, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, init_device_mesh
 from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 
 
@@ -40,3 +40,13 @@ class ViewOnTwoDimMeshTest(DTensorTestBase):
             lambda t: t.view(2, 3, 2, 4), x, placements=[[Shard(0), Shard(2)]], mesh=mesh, collectives=0
         )
         self.assertEqual(y.placements, (Shard(0), Shard(2)))
+
+    @with_comms
+    def test_a_partial_mesh_dim_does_not_cut_the_shard(self) -> None:
+        """(dp: S(0), tp: P(sum)): tp stays partial through the view, so only dp cuts dim 0."""
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = seeded_randn(4, 8).requires_grad_()
+        y = check_against_torch(
+            lambda t: t.view(2, 2, 8), x, placements=[[Shard(0), Partial("sum")]], mesh=mesh, collectives=0
+        )
+        self.assertEqual(y.placements, (Shard(0), Partial("sum")))
