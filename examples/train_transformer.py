@@ -287,6 +287,9 @@ def train(cfg: Config) -> list[float]:
     optimizer = make_optimizer(model, cfg)
     loss_fn = next_token_loss
     if cfg.compile:
+        # Each rank thread compiles its own graphs (they bake in its shard): allow that many per
+        # function (torch's default limit is 8).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * mesh.size())
         loss_fn = torch.compile(next_token_loss, backend=cfg.compile, fullgraph=True)
 
     def place(batch: torch.Tensor) -> DTensor:
@@ -300,7 +303,10 @@ def train(cfg: Config) -> list[float]:
     for step in range(start, cfg.steps):
         inputs, targets = batch_at(cfg, step)
         # Count the collectives of a warm step (the first step also creates the optimizer state).
-        with comm if step == min(start + 1, cfg.steps - 1) else contextlib.nullcontext():
+        # Not under --compile: CommDebugMode's module hooks are process-wide, and rank threads
+        # compiling while others add and remove them would trace (and guard on) each other's hooks.
+        counted = step == min(start + 1, cfg.steps - 1) and not cfg.compile
+        with comm if counted else contextlib.nullcontext():
             losses.append(train_step(model, optimizer, place(inputs), place(targets), loss_fn))
         progress.update(step, losses[-1])
     progress.close()
@@ -423,6 +429,9 @@ def _print_summary(cfg: Config, rows: list[MemoryRow], comm: CommDebugMode) -> N
     for row in rows:
         cells = "".join(f"{_human_bytes(n):>11}" for n in (row.params, row.grads, row.optimizer, row.total))
         print(f"  {row.rank:<6}{cells}  {row.total / full:6.1%} (1/{full / row.total:.2f})")
+    if cfg.compile:
+        print("\ncollectives per training step: not counted with --compile (see docs/compile.md)")
+        return
     counts, sizes = comm.get_comm_counts(), comm.get_comm_bytes()
     print("\ncollectives per training step (the second step run, forward + backward + optimizer)")
     print(f"  {'collective':<20}{'count':>7}{'bytes':>12}")
