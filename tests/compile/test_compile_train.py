@@ -1,0 +1,51 @@
+"""The demo's training step (examples/train_transformer.py) with forward + loss and their backward
+compiled (fullgraph): the same losses as eager, step by step, on a (dp=2, tp=2) mesh of threads."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from spmd.testing import run_threaded
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_transformer", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _load_example()
+TINY = demo.Config(steps=5, n_layers=1, d_model=32, seq_len=8, batch_size=4)
+
+
+def losses(cfg) -> list[float]:
+    # Ranks compile one at a time (torch.compile's lock), so their peers may wait a while.
+    return run_threaded(demo.train, cfg.dp * cfg.tp, cfg, timeout=600)[0]
+
+
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)], ids=["aot_eager", "inductor"]
+)
+def test_compiled_step_gives_the_eager_losses(backend: str) -> None:
+    eager = losses(TINY)
+    compiled = losses(demo.replace(TINY, compile=backend))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+    single = demo.train_single_device(demo.replace(TINY, dp=1, tp=1))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(single), rtol=1e-4, atol=1e-6)
+
+
+def test_compile_flag_defaults_to_inductor() -> None:
+    assert demo.parse_args(["--compile"])[0].compile == "inductor"
+    assert demo.parse_args(["--compile", "aot_eager"])[0].compile == "aot_eager"
+    assert demo.parse_args([])[0].compile is None
