@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -145,9 +145,9 @@ def test_uneven_ranks_differ_and_each_matches() -> None:
         assert_same(per_rank[rank], simulated_step(cfg, rank), rank)
 
 
-def _gloo_real_step(cfg: Any) -> Outcome:
+def _gloo_real_step(fields: dict[str, Any]) -> Outcome:
     torch.set_num_threads(1)
-    return real_step(cfg)
+    return real_step(demo.Config(**fields))
 
 
 def real_peaks(cfg: Any) -> tuple[int, int]:
@@ -183,6 +183,8 @@ def test_memory_peaks_equal_the_real_run(overrides: dict[str, Any]) -> None:
 @pytest.mark.multiprocess
 def test_world_4_gloo() -> None:
     cfg = replace(demo.Config(), fsdp=True)
-    per_rank = run_multiprocess(_gloo_real_step, 4, cfg, timeout=240)
+    # The config travels as a dict: another test module may load the demo under the same name,
+    # and a pickled class must be the very object its module name resolves to.
+    per_rank = run_multiprocess(_gloo_real_step, 4, asdict(cfg), timeout=240)
     for rank, real in enumerate(per_rank):
         assert_same(real, simulated_step(cfg, rank), rank)
