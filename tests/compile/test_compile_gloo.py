@@ -1,0 +1,34 @@
+"""torch.compile on real gloo process groups: the spmd:: ops run c10d collectives inside compiled graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.testing.multiprocess import run_multiprocess
+
+pytestmark = pytest.mark.multiprocess
+
+
+def compiled_matmul_and_step_on_gloo() -> tuple[bool, list[float], list[float]]:
+    full_x, full_w = torch.arange(48.0).reshape(8, 6) / 10, torch.arange(24.0).reshape(6, 4) / 10
+
+    def fn(x, w):
+        return torch.relu((x @ w).redistribute(placements=[Replicate()])).sum(0)
+
+    mesh = init_device_mesh("cpu", (2,))
+    x, w = distribute_tensor(full_x, mesh, [Replicate()]), distribute_tensor(full_w, mesh, [Shard(0)])
+    step = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    matmul_ok = torch.allclose(step(x, w).full_tensor(), torch.relu(full_x @ full_w).sum(0))
+
+    from test_compile_train import TINY, demo  # the demo, loaded as the threaded test loads it
+
+    cfg = demo.replace(TINY, dp=1, tp=2, steps=3)
+    return matmul_ok, demo.train(demo.replace(cfg, compile="aot_eager")), demo.train(cfg)
+
+
+def test_compiled_functions_match_eager_on_gloo() -> None:
+    for matmul_ok, compiled, eager in run_multiprocess(compiled_matmul_and_step_on_gloo, 2, timeout=300.0):
+        assert matmul_ok
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
