@@ -104,8 +104,18 @@ SLICE_OPS: tuple[str, ...] = (
     "clone", "contiguous", "zeros_like", "ones_like", "full_like", "fill", "new_zeros", "new_full",
     "index_select", "gather", "scatter", "scatter_add", "take_along_dim", "nn.functional.embedding",
     "topk", "sort",
+    # special functions and pointwise ops with extra arguments
+    "acosh", "erfc", "special.bessel_j0", "special.i1e", "polygamma.polygamma_n_1", "frexp",
+    "nn.functional.glu", "nn.functional.prelu", "nn.functional.celu",
+    # fft, pools, upsampling, normalisation
+    "fft.fft", "fft.rfft2", "fft.irfft", "nn.functional.avg_pool2d", "nn.functional.max_pool2d",
+    "nn.functional.adaptive_avg_pool2d", "nn.functional.interpolate.bilinear", "nn.functional.grid_sample",
+    "nn.functional.pixel_shuffle", "nn.functional.batch_norm", "nn.functional.group_norm",
+    # products, distances, batched linalg, lookups
+    "trace", "addr", "vdot", "cdist", "linalg.cross", "cholesky_solve", "nn.functional.bilinear",
+    "isin", "bucketize", "histc", "renorm",
 )
-"""The fixed slice the CI test sweeps: about 120 common ops, by OpInfo name (``name.variant``)."""
+"""The fixed slice the CI test sweeps: about 150 common ops, by OpInfo name (``name.variant``)."""
 
 _COMM_ERROR_NAMES = ("CollectiveTimeoutError", "CollectiveAbortedError", "DistBackendError", "DistNetworkError")
 _COMM_ERROR_WORDS = ("collective mismatch", "gloo", "timed out", "connection closed", "connection reset")
