@@ -108,10 +108,19 @@ def local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tens
     return piece.clone(memory_format=torch.contiguous_format)
 
 
+def _blocks_on_dim0(tensor: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``tensor`` cut into ``n`` equal blocks along ``dim``, stacked on a new dim 0 (a view when it can be)."""
+    shape = list(tensor.shape)
+    split = [*shape[:dim], n, shape[dim] // n, *shape[dim + 1 :]]
+    return tensor.reshape(split).movedim(dim, 0)
+
+
 def reduce_scatter_dim(local: torch.Tensor, comm: Communicator, dim: int, reduce_op: str) -> torch.Tensor:
     """Partial -> Shard(dim) over ``comm``: each member keeps its reduced piece."""
-    full = local.size(dim)
-    sizes, offsets = shard_sizes(full, comm.size), shard_offsets(full, comm.size)
+    full, n = local.size(dim), comm.size
+    if full % n == 0:  # even: the blocks are one reshape of the tensor (no per-member ops at any n)
+        return comm.reduce_scatter(_blocks_on_dim0(local, dim, n), reduce_op)
+    sizes, offsets = shard_sizes(full, n), shard_offsets(full, n)
     blocks = [pad_dim(local.narrow(dim, o, s), dim, sizes[0]) for o, s in zip(offsets, sizes)]
     reduced = comm.reduce_scatter(torch.stack(blocks), reduce_op)
     return reduced.narrow(dim, 0, sizes[comm.local_rank])
@@ -120,8 +129,12 @@ def reduce_scatter_dim(local: torch.Tensor, comm: Communicator, dim: int, reduce
 def all_to_all_dims(local: torch.Tensor, comm: Communicator, src_dim: int, dst_dim: int, full_src: int) -> torch.Tensor:
     """Shard(src_dim) -> Shard(dst_dim) over ``comm`` in one all_to_all."""
     n, me = comm.size, comm.local_rank
-    src_sizes = shard_sizes(full_src, n)
     dst_full = local.size(dst_dim)
+    if full_src % n == 0 and dst_full % n == 0:  # even: one reshape each way (no per-member ops at any n)
+        stacked = _blocks_on_dim0(local, dst_dim, n)
+        received = comm.all_to_all(stacked)
+        return received.movedim(0, src_dim).flatten(src_dim, src_dim + 1).contiguous()
+    src_sizes = shard_sizes(full_src, n)
     dst_sizes, dst_offsets = shard_sizes(dst_full, n), shard_offsets(dst_full, n)
     blocks = [
         pad_dim(pad_dim(local.narrow(dst_dim, o, s), dst_dim, dst_sizes[0]), src_dim, src_sizes[0])
