@@ -70,7 +70,9 @@ def resolve_use_local(use_local: bool | None, mesh: DeviceMesh) -> bool:
 
 def tp_placements(mesh: DeviceMesh, tp_dim: int, layout: Placement) -> tuple[Placement, ...]:
     """``layout`` on the tp dim and ``Replicate()`` on every other mesh dim."""
-    return tuple(layout if d == tp_dim else Replicate() for d in range(mesh.ndim))
+    # mesh.dim_index(-1) + 1 is mesh.ndim through a method: torch.compile (torch 2.13) cannot read a
+    # property of a mesh a hook holds (a Dynamo limitation of opaque objects), but can call methods.
+    return tuple(layout if d == tp_dim else Replicate() for d in range(mesh.dim_index(-1) + 1))
 
 
 def as_dtensor(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, tp_dim: int = 0) -> DTensor:
