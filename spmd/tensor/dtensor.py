@@ -85,32 +85,34 @@ class DTensor(torch.Tensor):
         return result
 
     # ----- torch.compile: AOTAutograd takes a DTensor apart into its local shard and its spec -------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool, int]]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool, int | None]]:
         """The inner tensor the compiler traces (the local shard) and the hashable context it guards on.
 
-        The context holds the caller's rank: a traced graph bakes in the rank's mesh coordinate and
-        groups, so the ranks of a threaded world (threads of one process, sharing torch.compile's
-        cache) each get their own graph, as the processes of a torchrun job do.
+        The context holds the calling thread's rank in a threaded world (None elsewhere): a traced
+        graph bakes in the rank's mesh coordinate and groups, so the rank threads of one process,
+        which share torch.compile's cache, each get their own graph, as torchrun's processes do.
         """
-        return ["_local_tensor"], (self._spec, self.requires_grad, self._spec.mesh.get_rank())
+        return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank())
 
     @staticmethod
     def __tensor_unflatten__(
         inner_tensors: dict[str, torch.Tensor],
-        context: tuple[DTensorSpec, bool, int],
+        context: tuple[DTensorSpec, bool, int | None],
         outer_size: Any,
         outer_stride: Any,
     ) -> DTensor:
         spec, requires_grad, _ = context
         meta = spec.tensor_meta
-        if tuple(outer_size) != meta.shape or tuple(outer_stride) != meta.stride:
+        if outer_size != meta.shape or outer_stride != meta.stride:  # torch.Size compares as a tuple
             spec = DTensorSpec(
                 spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
             )
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
     @classmethod
-    def __metadata_guard__(cls, expected: tuple[DTensorSpec, bool, int], actual: tuple[DTensorSpec, bool, int]) -> bool:
+    def __metadata_guard__(
+        cls, expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]
+    ) -> bool:
         """torch.compile's check that a DTensor input still matches the graph it was traced for.
 
         Dynamo names a failed check only by an opaque id, so a mismatch is also logged on the
@@ -134,7 +136,7 @@ class DTensor(torch.Tensor):
         return self.redistribute(placements=grad_placements_for(self._spec.placements))
 
     def __coerce_same_metadata_as_tangent__(
-        self, context: tuple[DTensorSpec, bool, int], expected_type: Any = None
+        self, context: tuple[DTensorSpec, bool, int | None], expected_type: Any = None
     ) -> DTensor | None:
         """The runtime gradient laid out as the one the compiled backward was traced with."""
         if expected_type is not None:
@@ -269,7 +271,9 @@ class DTensor(torch.Tensor):
 _COMPILE_LOGGER = logging.getLogger("spmd.compile")
 
 
-def _describe_change(expected: tuple[DTensorSpec, bool, int], actual: tuple[DTensorSpec, bool, int]) -> str:
+def _describe_change(
+    expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]
+) -> str:
     """``spec f32[4,2] (S(0)) on mesh(d0=2) -> f32[4,2] (R) on mesh(d0=2)``: what a failed guard saw."""
     names = ("spec", "requires_grad", "rank")
     return "; ".join(f"{name} {old} -> {new}" for name, old, new in zip(names, expected, actual) if old != new)
