@@ -45,7 +45,10 @@ def test_compiled_step_gives_the_eager_losses(backend: str) -> None:
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(single), rtol=1e-4, atol=1e-6)
 
 
-def test_compile_flag_defaults_to_inductor() -> None:
+def test_compile_flag_defaults_to_inductor_and_refuses_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.parse_args(["--compile"])[0].compile == "inductor"
     assert demo.parse_args(["--compile", "aot_eager"])[0].compile == "aot_eager"
     assert demo.parse_args([])[0].compile is None
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--compile", "--fsdp"])
+    assert "--compile does not support --fsdp" in capsys.readouterr().err
