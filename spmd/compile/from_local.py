@@ -12,11 +12,14 @@ from collections.abc import Sequence
 import torch
 import torch._dynamo
 
+from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor, from_local_eager
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 
 __all__ = ["from_local_in_graph", "placement_code", "placement_from_code"]
+
+keep_dynamo_out_of_dispatch()
 
 
 def placement_code(p: Placement) -> tuple[str, int | str]:

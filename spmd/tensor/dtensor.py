@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
-__all__ = ["DTensor", "implicit_replication", "set_dispatch"]
+__all__ = ["DTensor", "DataDependentShapeError", "implicit_replication", "set_dispatch"]
 
 
 class DTensor(torch.Tensor):
@@ -92,6 +93,8 @@ class DTensor(torch.Tensor):
         graph bakes in the rank's mesh coordinate and groups, so the rank threads of one process,
         which share torch.compile's cache, each get their own graph, as torchrun's processes do.
         """
+        if not _dynamo_kept_out[0]:
+            _keep_dynamo_out_of_dispatch()
         return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank())
 
     @staticmethod
@@ -145,7 +148,14 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        return _dispatch[0](func, args, kwargs or {})
+        try:
+            return _dispatch[0](func, args, kwargs or {})
+        except TypeError as error:
+            # While torch.compile traces, an output shape that depends on values is a symbol, and a
+            # spec (hashable, static) cannot hold it: say which op it was.
+            if "SymInt" in str(error):
+                raise DataDependentShapeError(func) from error
+            raise
 
     # ----- indexing with Python lists ---------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
@@ -266,6 +276,33 @@ class DTensor(torch.Tensor):
         from spmd.tensor import checkpoint_protocol
 
         return checkpoint_protocol.get_tensor_shard(self, index)
+
+
+_dynamo_kept_out = [False]
+
+
+def _keep_dynamo_out_of_dispatch() -> None:
+    """Once Dynamo is loaded, have it skip the dispatcher's frames (see spmd/compile/eager_frames.py)."""
+    if "torch._dynamo" in sys.modules:
+        from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
+
+        keep_dynamo_out_of_dispatch()
+        _dynamo_kept_out[0] = True
+
+
+class DataDependentShapeError(NotImplementedError):
+    """An op whose output shape depends on its inputs' values ran on DTensors inside torch.compile.
+
+    A ``NotImplementedError``, so that Dynamo without ``fullgraph=True`` breaks the graph there and
+    runs the op eagerly.
+    """
+
+    def __init__(self, op: Any) -> None:
+        super().__init__(
+            f"{op} gives an output whose shape depends on the values of its inputs; under torch.compile that "
+            "shape is a symbol, which a DTensor's spec (static shapes) cannot hold. Call it outside the compiled "
+            "function, or let torch.compile break the graph there (no fullgraph=True)"
+        )
 
 
 _COMPILE_LOGGER = logging.getLogger("spmd.compile")

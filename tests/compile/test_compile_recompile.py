@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.dispatch import replicate_fallback
+from spmd.tensor.dtensor import DataDependentShapeError
 from spmd.tensor.ops.registry import REGISTRY
 from spmd.tensor.propagation import ShardingError
 from spmd.testing import run_threaded
@@ -76,3 +77,26 @@ def test_an_op_without_a_rule_raises_the_eager_sharding_error() -> None:
     assert type(eager) is ShardingError and "aten.sin.default has no sharding rule" in str(eager)
     assert type(compiled) is ShardingError and str(compiled) == str(eager)
     assert isinstance(fullgraph.__cause__, ShardingError) and str(eager) in str(fullgraph)
+
+
+def test_a_data_dependent_shape_names_its_op() -> None:
+    """nonzero's output shape depends on values: fullgraph=True says so, naming the op; without it,
+    torch.compile breaks the graph there and the result is eager's."""
+
+    def positive_positions(x):
+        return torch.nonzero(x > 0)
+
+    def rank():
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.tensor([[1.0, -1.0], [-2.0, 3.0]]), mesh, [Replicate()])
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as raised:
+            torch.compile(positive_positions, backend="aot_eager", fullgraph=True)(x)
+        torch._dynamo.reset()
+        with_break = torch.compile(positive_positions, backend="aot_eager")(x)
+        return raised.value, with_break.full_tensor()
+
+    error, positions = run_threaded(rank, 1)[0]
+    assert isinstance(error.__cause__, DataDependentShapeError)
+    assert "aten.nonzero.default gives an output whose shape depends on the values" in str(error)
+    torch.testing.assert_close(positions, torch.tensor([[0, 0], [1, 1]]))

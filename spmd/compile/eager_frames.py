@@ -1,0 +1,22 @@
+"""Keep Dynamo out of spmd's dispatcher when it runs eagerly inside a compiled function.
+
+Where torch.compile breaks the graph (no ``fullgraph=True``), the op there runs eagerly with
+Dynamo still watching new Python frames, so it would try to compile the dispatcher itself (locks,
+caches, logging: not code to trace). Marking ``DTensor.__torch_dispatch__`` as skipped, with every
+frame it calls, lets the op run as plain eager code. Tracing is unaffected: Dynamo never traces
+``__torch_dispatch__`` (it runs it on fake tensors, and AOTAutograd traces through it).
+Called once ``torch._dynamo`` is loaded (the first compile that meets a DTensor).
+"""
+
+from __future__ import annotations
+
+__all__ = ["keep_dynamo_out_of_dispatch"]
+
+
+def keep_dynamo_out_of_dispatch() -> None:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    from spmd.tensor.dtensor import DTensor
+
+    dispatch_code = DTensor.__torch_dispatch__.__func__.__code__  # type: ignore[attr-defined]
+    set_code_exec_strategy(dispatch_code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
