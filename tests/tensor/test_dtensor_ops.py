@@ -1,6 +1,6 @@
 """OpInfo sweep: PyTorch's OpInfo samples on DTensors in many layouts, compared with plain torch.
 
-For each OpInfo in the slice (``SLICE_OPS`` in ``spmd/testing/op_sweep.py``, about 120 common ops)
+For each OpInfo in the slice (``SLICE_OPS`` in ``spmd/testing/op_sweep.py``, about 150 common ops)
 the harness takes up to 3 float32 samples and runs each in several layouts (all Replicate; each
 tensor argument sharded on each dim, the others replicated; all sharded on their first / last dim;
 two mixed layouts on a (2, 2) mesh; uneven and empty shards come from the sample shapes), forward
@@ -36,22 +36,15 @@ from spmd.tensor.comm.threaded import current_threaded_world
 from spmd.testing import op_sweep as sweep
 
 _LIST_INDEX = "x[[0, 2]]-style indexing builds a plain index tensor inside torch (ERROR-OTHER: mixed with DTensors)"
-_IN_PLACE_VIEW = (
-    "1-d @ 2-d decomposes into aten.squeeze_.dim, an in-place view op: it has no rule and the "
-    "fallback refuses it (it would change a copy's shape), so it raises"
-)
 
 XFAIL: dict[str, str] = {
     # Ops of the slice that do not pass on the rules alone, one line each: why.
     "__getitem__": _LIST_INDEX,
-    "matmul": _IN_PLACE_VIEW,
-    "narrow": "a tensor `start` is read with .item(), which cannot run on the meta device",
 }
 
 XFAIL_FALLBACK: dict[str, str] = {
     # Ops of the slice that do not pass even with the replicate fallback.
     "__getitem__": _LIST_INDEX,
-    "matmul": _IN_PLACE_VIEW,
 }
 
 KNOWN_WRONG: dict[str, str] = {
