@@ -126,8 +126,8 @@ def _paired_outputs(actual: Any, expected: Any, where: str) -> tuple[list[Any], 
     if actual_structure != expected_structure:
         raise AssertionError(f"{where}: returned {actual_structure}, plain torch returned {expected_structure}")
     for index, (out, ref) in enumerate(zip(actual_leaves, expected_leaves)):
-        if isinstance(ref, torch.Tensor) and not isinstance(out, torch.Tensor):
-            raise AssertionError(f"{where}: output {index} is a {type(out).__name__}, plain torch gave a tensor")
+        if isinstance(ref, torch.Tensor) and not isinstance(out, DTensor):
+            raise AssertionError(f"{where}: output {index} is a {type(out).__name__}, not a DTensor; plain torch gave a tensor")
     return actual_leaves, expected_leaves
 
 
