@@ -127,7 +127,9 @@ def _paired_outputs(actual: Any, expected: Any, where: str) -> tuple[list[Any], 
         raise AssertionError(f"{where}: returned {actual_structure}, plain torch returned {expected_structure}")
     for index, (out, ref) in enumerate(zip(actual_leaves, expected_leaves)):
         if isinstance(ref, torch.Tensor) and not isinstance(out, DTensor):
-            raise AssertionError(f"{where}: output {index} is a {type(out).__name__}, not a DTensor; plain torch gave a tensor")
+            raise AssertionError(
+                f"{where}: output {index} is a {type(out).__name__}, not a DTensor; plain torch gave a tensor"
+            )
     return actual_leaves, expected_leaves
 
 
