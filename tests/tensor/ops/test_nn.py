@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, run_threaded, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, seeded_randint, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
@@ -19,43 +20,7 @@ R, S0, S1, S2, S3 = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3)
 SUM = Partial("sum")
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
-
-
-def randint(high: int, *shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def check_against_torch(
-    fn: Callable[..., Any],
-    fulls: Sequence[torch.Tensor],
-    mesh: Any,
-    layouts: Sequence[Sequence[Any]],
-    *,
-    constants: Sequence[int] = (),
-) -> DTensor:
-    """``fn`` on DTensors laid out as ``layouts`` equals ``fn`` on ``fulls``, forward and backward.
-
-    Integer inputs (targets, indices) and the inputs at ``constants`` take no gradient.
-    """
-    differentiable = [f.is_floating_point() and i not in constants for i, f in enumerate(fulls)]
-    leaves = [make_dtensor(f, mesh, p, requires_grad=d) for f, p, d in zip(fulls, layouts, differentiable)]
-    plain = [f.detach().clone().requires_grad_(d) for f, d in zip(fulls, differentiable)]
-    for leaf, d in zip(leaves, differentiable):
-        if d:
-            leaf.retain_grad()
-    out = fn(*leaves)
-    expected = fn(*plain)
-    torch.testing.assert_close(out.full_tensor(), expected)
-    weight = randn(*expected.shape, seed=99)
-    (out.full_tensor() * weight).sum().backward()
-    (expected * weight).sum().backward()
-    for leaf, ref, d in zip(leaves, plain, differentiable):
-        if d:
-            assert leaf.grad is not None and ref.grad is not None
-            torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
-    return out
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def grads_without_comms(test: DTensorTestBase, out: DTensor, inputs: Sequence[DTensor]) -> tuple[DTensor, ...]:
@@ -70,14 +35,14 @@ def grads_without_comms(test: DTensorTestBase, out: DTensor, inputs: Sequence[DT
 class SoftmaxTest(DTensorTestBase):
     @with_comms
     def test_softmax_and_log_softmax(self) -> None:
-        x = randn(7, 5, 6)
+        x = randn(7, 5, 6).requires_grad_()
         layouts_1d = [[R], [S0], [S1], [S2], [SUM]]
         layouts_2d = [[S0, S1], [S2, S0], [S1, S1]]
         for mesh_shape, layouts in [((4,), layouts_1d), ((2, 2), layouts_2d)]:
             mesh = init_device_mesh("cpu", mesh_shape)
             self.run_subtests(
                 {"fn": [torch.softmax, torch.log_softmax], "dim": [0, 1, -1], "layout": layouts},
-                lambda m, fn, dim, layout: check_against_torch(lambda t: fn(t, dim), [x], m, [layout]),
+                lambda m, fn, dim, layout: check_against_torch(lambda t: fn(t, dim), x, placements=[layout], mesh=m),
                 mesh,
             )
 
@@ -116,24 +81,25 @@ class SoftmaxTest(DTensorTestBase):
 class NormTest(DTensorTestBase):
     @with_comms
     def test_layer_norm(self) -> None:
-        x, w, b = randn(7, 3, 8), randn(8, seed=1), randn(8, seed=2)
-        w2, b2 = randn(3, 8, seed=3), randn(3, 8, seed=4)
+        x, w, b = (randn(7, 3, 8).requires_grad_(), randn(8, seed=1).requires_grad_(),
+                   randn(8, seed=2).requires_grad_())
+        w2, b2 = randn(3, 8, seed=3).requires_grad_(), randn(3, 8, seed=4).requires_grad_()
         mesh = init_device_mesh("cpu", (4,))
         self.run_subtests(
             {"layout": [[R], [S0], [S1], [S2], [SUM]]},
             lambda layout: (
-                check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), [x, w, b], mesh,
-                                    [layout, [R], [R]]),
-                check_against_torch(lambda t, ww, bb: F.layer_norm(t, (3, 8), ww, bb), [x, w2, b2], mesh,
-                                    [layout, [R], [S0]]),
-                check_against_torch(lambda t: F.layer_norm(t, (8,)), [x], mesh, [layout]),
+                check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), x, w, b, mesh=mesh,
+                                    placements=[layout, [R], [R]]),
+                check_against_torch(lambda t, ww, bb: F.layer_norm(t, (3, 8), ww, bb), x, w2, b2, mesh=mesh,
+                                    placements=[layout, [R], [S0]]),
+                check_against_torch(lambda t: F.layer_norm(t, (8,)), x, placements=[layout], mesh=mesh),
             ),
         )
         mesh2 = init_device_mesh("cpu", (2, 2))
         self.run_subtests(
             {"layout": [[S0, S1], [S1, S0], [S0, S2]]},
-            lambda layout: check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), [x, w, b], mesh2,
-                                               [layout, [R, R], [R, R]]),
+            lambda layout: check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), x, w, b, mesh=mesh2,
+                                               placements=[layout, [R, R], [R, R]]),
         )
 
     @with_comms
@@ -159,12 +125,12 @@ class NormTest(DTensorTestBase):
     @with_comms
     def test_rms_norm(self) -> None:
         """F.rms_norm reaches us decomposed (pow, mean, add_, rsqrt, mul) in torch's CPU build."""
-        x, w = randn(7, 3, 8), randn(8, seed=1)
+        x, w = randn(7, 3, 8).requires_grad_(), randn(8, seed=1).requires_grad_()
         mesh = init_device_mesh("cpu", (4,))
         self.run_subtests(
             {"layout": [[R], [S0], [S1], [S2]]},
-            lambda layout: check_against_torch(lambda t, ww: F.rms_norm(t, (8,), ww, eps=1e-6), [x, w], mesh,
-                                               [layout, [R]]),
+            lambda layout: check_against_torch(lambda t, ww: F.rms_norm(t, (8,), ww, eps=1e-6), x, w, mesh=mesh,
+                                               placements=[layout, [R]]),
         )
         xd, wd = distribute_tensor(x, mesh, [S0]), distribute_tensor(w, mesh, [R])
         with CommDebugMode() as comm:
@@ -174,12 +140,12 @@ class NormTest(DTensorTestBase):
 
     @with_comms
     def test_gelu_and_silu(self) -> None:
-        x = randn(7, 6)
+        x = randn(7, 6).requires_grad_()
         mesh = init_device_mesh("cpu", (2, 2))
         fns = [F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.silu]
         self.run_subtests(
             {"fn": fns, "layout": [[R, R], [S0, S1], [S1, S0], [S0, S0]]},
-            lambda fn, layout: check_against_torch(fn, [x], mesh, [layout]),
+            lambda fn, layout: check_against_torch(fn, x, placements=[layout], mesh=mesh),
         )
         for fn in fns:
             xd = distribute_tensor(x, mesh, [S0, S1]).requires_grad_()
@@ -191,7 +157,7 @@ class NormTest(DTensorTestBase):
 class LossTest(DTensorTestBase):
     @with_comms
     def test_nll_loss_and_cross_entropy(self) -> None:
-        logits, target, class_weight = randn(7, 5), randint(5, 7, seed=1), randn(5, seed=2).abs()
+        logits, target, class_weight = randn(7, 5).requires_grad_(), seeded_randint(5, 7, seed=1), randn(5, seed=2).abs()
         target_ignored = target.clone()
         target_ignored[2] = -100
         mesh = init_device_mesh("cpu", (4,))
@@ -205,24 +171,24 @@ class LossTest(DTensorTestBase):
         ]
         self.run_subtests(
             {"case": cases, "layout": [[[R], [R]], [[S0], [S0]], [[S1], [R]], [[S0], [R]], [[SUM], [R]]]},
-            lambda case, layout: check_against_torch(case[0], case[1], mesh, [*layout, [R]][: len(case[1])],
-                                                     constants=[2]),
+            lambda case, layout: check_against_torch(case[0], *case[1], mesh=mesh,
+                                                     placements=[*layout, [R]][: len(case[1])]),
         )
         mesh2 = init_device_mesh("cpu", (2, 2))
         self.run_subtests(
             {"case": cases, "layout": [[[S0, S0], [S0, S0]], [[S0, S1], [S0, R]]]},
-            lambda case, layout: check_against_torch(case[0], case[1], mesh2,
-                                                     [*layout, [R, R]][: len(case[1])], constants=[2]),
+            lambda case, layout: check_against_torch(case[0], *case[1], mesh=mesh2,
+                                                     placements=[*layout, [R, R]][: len(case[1])]),
         )
 
     @with_comms
     def test_nll_loss_2d(self) -> None:
-        x, target = randn(3, 4, 5, 6), randint(4, 3, 5, 6, seed=1)
+        x, target = randn(3, 4, 5, 6).requires_grad_(), seeded_randint(4, 3, 5, 6, seed=1)
         mesh = init_device_mesh("cpu", (4,))
         self.run_subtests(
             {"reduction": ["mean", "sum", "none"], "layout": [[[S0], [S0]], [[S2], [S1]], [[S3], [S2]], [[S1], [R]]]},
             lambda reduction, layout: check_against_torch(
-                lambda a, t: F.cross_entropy(a, t, reduction=reduction), [x, target], mesh, layout
+                lambda a, t: F.cross_entropy(a, t, reduction=reduction), x, target, placements=layout, mesh=mesh
             ),
         )
 
@@ -230,7 +196,7 @@ class LossTest(DTensorTestBase):
     def test_batch_sharded_loss_communication(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
         logp_full = torch.log_softmax(randn(8, 5), -1)
-        target_full = randint(5, 8, seed=1)
+        target_full = seeded_randint(5, 8, seed=1)
         target = distribute_tensor(target_full, mesh, [S0])
         # 'sum' stays local: loss and total_weight are partial sums
         logp = distribute_tensor(logp_full, mesh, [S0]).requires_grad_()
@@ -259,7 +225,8 @@ class LossTest(DTensorTestBase):
 class ConvolutionTest(DTensorTestBase):
     @with_comms
     def test_conv2d_layouts(self) -> None:
-        x, w, b = randn(5, 4, 6, 6), randn(6, 4, 3, 3, seed=1), randn(6, seed=2)
+        x, w, b = (randn(5, 4, 6, 6).requires_grad_(), randn(6, 4, 3, 3, seed=1).requires_grad_(),
+                   randn(6, seed=2).requires_grad_())
         mesh = init_device_mesh("cpu", (4,))
         fn = lambda a, ww, bb: F.conv2d(a, ww, bb, padding=1, stride=(2, 1))  # noqa: E731
         layouts = [
@@ -270,11 +237,13 @@ class ConvolutionTest(DTensorTestBase):
             [[SUM], [R], [R]],
             [[R], [SUM], [R]],
         ]
-        self.run_subtests({"layout": layouts}, lambda layout: check_against_torch(fn, [x, w, b], mesh, layout))
+        self.run_subtests(
+            {"layout": layouts}, lambda layout: check_against_torch(fn, x, w, b, placements=layout, mesh=mesh)
+        )
         mesh2 = init_device_mesh("cpu", (2, 2))
         self.run_subtests(
             {"layout": [[[S0, R], [R, S0], [R, S0]], [[S0, S1], [R, S1], [R, R]]]},
-            lambda layout: check_against_torch(fn, [x, w, b], mesh2, layout),
+            lambda layout: check_against_torch(fn, x, w, b, placements=layout, mesh=mesh2),
         )
 
     @with_comms
@@ -287,7 +256,9 @@ class ConvolutionTest(DTensorTestBase):
         ]
         self.run_subtests(
             {"case": cases, "layout": [[[S0], [R]], [[R], [S0]], [[R], [S1]], [[S1], [S0]], [[S1], [S1]]]},
-            lambda case, layout: check_against_torch(case[0], [case[1], case[2]], mesh, layout),
+            lambda case, layout: check_against_torch(
+                case[0], case[1].requires_grad_(), case[2].requires_grad_(), placements=layout, mesh=mesh
+            ),
         )
 
     @with_comms
@@ -323,7 +294,10 @@ class PaddingTest(DTensorTestBase):
         def check(mesh: Any, case: tuple[str, tuple[int, ...], tuple[int, ...]], layout: list[Any]) -> None:
             mode, shape, pad = case
             value = 0.5 if mode == "constant" else None
-            check_against_torch(lambda t: F.pad(t, pad, mode=mode, value=value), [randn(*shape)], mesh, [layout])
+            check_against_torch(
+                lambda t: F.pad(t, pad, mode=mode, value=value), randn(*shape).requires_grad_(),
+                placements=[layout], mesh=mesh,
+            )
 
         mesh = init_device_mesh("cpu", (4,))
         self.run_subtests({"case": self.CASES, "layout": [[R], [S0], [S1], [S2], [SUM]]}, check, mesh)
@@ -389,7 +363,7 @@ class PaddingTest(DTensorTestBase):
 class EmbeddingTest(DTensorTestBase):
     @with_comms
     def test_embedding_layouts(self) -> None:
-        weight, indices = randn(10, 6), randint(10, 7, 3, seed=1)
+        weight, indices = randn(10, 6).requires_grad_(), seeded_randint(10, 7, 3, seed=1)
         for mesh_shape, layouts in [
             ((4,), [[[R], [R]], [[R], [S0]], [[R], [S1]], [[S1], [R]], [[S0], [R]], [[SUM], [R]], [[S1], [S0]]]),
             ((2, 2), [[[R, S1], [S0, R]], [[S1, S1], [R, R]], [[S0, R], [S0, S1]]]),
@@ -398,7 +372,7 @@ class EmbeddingTest(DTensorTestBase):
             self.run_subtests(
                 {"layout": layouts, "kwargs": [{}, {"padding_idx": 2}, {"scale_grad_by_freq": True}]},
                 lambda m, layout, kwargs: check_against_torch(
-                    lambda w, i: F.embedding(i, w, **kwargs), [weight, indices], m, layout
+                    lambda w, i: F.embedding(i, w, **kwargs), weight, indices, placements=layout, mesh=m
                 ),
                 mesh,
             )
@@ -406,7 +380,7 @@ class EmbeddingTest(DTensorTestBase):
     @with_comms
     def test_embedding_placements(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        weight_full, indices_full = randn(10, 8), randint(10, 8, 3, seed=1)
+        weight_full, indices_full = randn(10, 8), seeded_randint(10, 8, 3, seed=1)
         indices = distribute_tensor(indices_full, mesh, [S0])
         # replicated table, sharded indices: output sharded like the indices, weight grad P(sum)
         weight = distribute_tensor(weight_full, mesh, [R]).requires_grad_()
@@ -429,28 +403,27 @@ class EmbeddingTest(DTensorTestBase):
 
 
 class ThreeDimMeshTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
 
     @with_comms
     def test_norm_loss_and_embedding_on_2x2x2(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2, 2))
-        x, w, b = randn(4, 6, 8), randn(8, seed=1), randn(8, seed=2)
-        check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), [x, w, b], mesh,
-                            [[S0, S1, S1], [R, R, R], [R, R, R]])
-        check_against_torch(lambda t: torch.softmax(t, -1), [x], mesh, [[S0, S1, S2]])
-        logits, target = randn(8, 5), randint(5, 8, seed=1)
-        check_against_torch(lambda t, y: F.cross_entropy(t, y, reduction="sum"), [logits, target], mesh,
-                            [[S0, S0, S0], [S0, S0, S0]])
-        weight, indices = randn(10, 8), randint(10, 4, 3, seed=1)
-        out = check_against_torch(lambda ww, i: F.embedding(i, ww), [weight, indices], mesh,
-                                  [[R, S1, S1], [S0, R, R]])
+        x, w, b = randn(4, 6, 8).requires_grad_(), randn(8, seed=1).requires_grad_(), randn(8, seed=2).requires_grad_()
+        check_against_torch(lambda t, ww, bb: F.layer_norm(t, (8,), ww, bb), x, w, b, mesh=mesh,
+                            placements=[[S0, S1, S1], [R, R, R], [R, R, R]])
+        check_against_torch(lambda t: torch.softmax(t, -1), x, placements=[[S0, S1, S2]], mesh=mesh)
+        logits, target = randn(8, 5).requires_grad_(), seeded_randint(5, 8, seed=1)
+        check_against_torch(lambda t, y: F.cross_entropy(t, y, reduction="sum"), logits, target, mesh=mesh,
+                            placements=[[S0, S0, S0], [S0, S0, S0]])
+        weight, indices = randn(10, 8).requires_grad_(), seeded_randint(10, 4, 3, seed=1)
+        out = check_against_torch(lambda ww, i: F.embedding(i, ww), weight, indices, mesh=mesh,
+                                  placements=[[R, S1, S1], [S0, R, R]])
+
         self.assertEqual(out.placements, (S0, S2, S2))
 
 
 def test_row_wise_embedding_is_a_masked_lookup_with_partial_output() -> None:
-    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))  # 10 rows over 4 ranks: 3,3,3,1
+    table = seeded_randn(10, 4)  # 10 rows over 4 ranks: 3,3,3,1
     indices = torch.tensor([[0, 9, 3], [5, 5, 2]])
 
     def lookup() -> tuple:
