@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.ops import REGISTRY
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
@@ -19,28 +20,7 @@ R, S0, S1, S2, S3 = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3)
 SUM = Partial("sum")
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
-
-
-def check_against_torch(
-    fn: Callable[..., Any], fulls: Sequence[torch.Tensor], mesh: Any, layouts: Sequence[Sequence[Any]]
-) -> DTensor:
-    """``fn`` on DTensors laid out as ``layouts`` equals ``fn`` on ``fulls``, forward and backward."""
-    leaves = [make_dtensor(f, mesh, p, requires_grad=True) for f, p in zip(fulls, layouts)]
-    for leaf in leaves:
-        leaf.retain_grad()
-    plain = [f.detach().clone().requires_grad_() for f in fulls]
-    out = fn(*leaves)
-    expected = fn(*plain)
-    torch.testing.assert_close(out.full_tensor(), expected)
-    weight = randn(*expected.shape, seed=99)
-    (out.full_tensor() * weight).sum().backward()
-    (expected * weight).sum().backward()
-    for leaf, ref in zip(leaves, plain):
-        assert leaf.grad is not None and ref.grad is not None
-        torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
-    return out
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 class MatrixOpsTest(DTensorTestBase):
@@ -51,7 +31,7 @@ class MatrixOpsTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             layouts = [[R], [S0], [S1]] if mesh.ndim == 1 else [[S0, S1], [R, S0], [S1, R]]
             self.run_subtests({"la": layouts, "lb": layouts},
-                              lambda m, la, lb: check_against_torch(torch.mm, [a, b], m, [la, lb]), mesh)
+                              lambda m, la, lb: check_against_torch(torch.mm, a.requires_grad_(), b.requires_grad_(), placements=[la, lb], mesh=m), mesh)
 
     @with_comms
     def test_bmm_layouts(self) -> None:
@@ -59,11 +39,11 @@ class MatrixOpsTest(DTensorTestBase):
         mesh = init_device_mesh("cpu", (4,))
         layouts = [[R], [S0], [S1], [S2]]
         self.run_subtests({"la": layouts, "lb": layouts},
-                          lambda la, lb: check_against_torch(torch.bmm, [a, b], mesh, [la, lb]))
+                          lambda la, lb: check_against_torch(torch.bmm, a.requires_grad_(), b.requires_grad_(), placements=[la, lb], mesh=mesh))
         mesh2 = init_device_mesh("cpu", (2, 2))
         self.run_subtests(
             {"la": [[S0, S1], [S2, S0], [S1, S2]], "lb": [[S0, R], [S1, S2], [S0, S0]]},
-            lambda la, lb: check_against_torch(torch.bmm, [a, b], mesh2, [la, lb]),
+            lambda la, lb: check_against_torch(torch.bmm, a.requires_grad_(), b.requires_grad_(), placements=[la, lb], mesh=mesh2),
         )
 
     @with_comms
@@ -113,7 +93,7 @@ class MatrixOpsTest(DTensorTestBase):
 
         def check(bias: torch.Tensor, lb: Any, l1: Any, l2: Any) -> None:
             fn = lambda b, x, y: torch.addmm(b, x, y, beta=0.5, alpha=2.0)  # noqa: E731
-            check_against_torch(fn, [bias, m1, m2], mesh, [lb, l1, l2])
+            check_against_torch(fn, bias.requires_grad_(), m1.requires_grad_(), m2.requires_grad_(), placements=[lb, l1, l2], mesh=mesh)
 
         self.run_subtests({"bias": [bias_1d, bias_2d, bias_col], "lb": [[R], [S0]], "l1": layouts, "l2": layouts},
                           check)
@@ -140,7 +120,7 @@ class MatrixOpsTest(DTensorTestBase):
         m1, m2, bias = randn(7, 5), randn(5, 6, seed=1), randn(6, seed=2)
         self.run_subtests(
             {"l1": [[S0, S1], [S1, S1], [R, S0]], "l2": [[R, S0], [S0, S1], [S1, R]]},
-            lambda l1, l2: check_against_torch(torch.addmm, [bias, m1, m2], mesh, [[R, R], l1, l2]),
+            lambda l1, l2: check_against_torch(torch.addmm, bias.requires_grad_(), m1.requires_grad_(), m2.requires_grad_(), placements=[[R, R], l1, l2], mesh=mesh),
         )
         target = randn(7, 6, seed=3)
         for layout in [[S0, S1], [R, R], [S1, S0]]:
@@ -157,7 +137,7 @@ class MatrixOpsTest(DTensorTestBase):
 
         def check(bias: torch.Tensor, l1: Any, l2: Any) -> None:
             fn = lambda b, x, y: torch.baddbmm(b, x, y, beta=0.5, alpha=2.0)  # noqa: E731
-            check_against_torch(fn, [bias, b1, b2], mesh, [[R], l1, l2])
+            check_against_torch(fn, bias.requires_grad_(), b1.requires_grad_(), b2.requires_grad_(), placements=[[R], l1, l2], mesh=mesh)
 
         self.run_subtests({"bias": [randn(5, 7, 3, seed=2), randn(3, seed=3), randn(7, 1, seed=4)],
                            "l1": layouts, "l2": layouts}, check)
@@ -177,12 +157,12 @@ class MatrixOpsTest(DTensorTestBase):
             vec = [[R], [S0]] if mesh.ndim == 1 else [[S0, S0], [R, S0]]
             mat = [[R], [S0], [S1]] if mesh.ndim == 1 else [[S0, S1], [S1, R], [S0, S0]]
             self.run_subtests({"lv": vec, "lu": vec},
-                              lambda m, lv, lu: check_against_torch(torch.dot, [v, u], m, [lv, lu]), mesh)
+                              lambda m, lv, lu: check_against_torch(torch.dot, v.requires_grad_(), u.requires_grad_(), placements=[lv, lu], mesh=m), mesh)
             self.run_subtests({"la": mat, "lv": vec},
-                              lambda m, la, lv: check_against_torch(torch.mv, [a, v], m, [la, lv]), mesh)
+                              lambda m, la, lv: check_against_torch(torch.mv, a.requires_grad_(), v.requires_grad_(), placements=[la, lv], mesh=m), mesh)
             self.run_subtests(
                 {"la": mat, "lv": vec},
-                lambda m, la, lv: check_against_torch(torch.addmv, [bias, a, v], m, [[R] * m.ndim, la, lv]),
+                lambda m, la, lv: check_against_torch(torch.addmv, bias.requires_grad_(), a.requires_grad_(), v.requires_grad_(), placements=[[R] * m.ndim, la, lv], mesh=m),
                 mesh,
             )
         mesh = init_device_mesh("cpu", (4,))
@@ -207,15 +187,15 @@ class MatrixOpsTest(DTensorTestBase):
         ]
         self.run_subtests(
             {"case": cases},
-            lambda case: check_against_torch(torch.matmul, [randn(*case[0]), randn(*case[1], seed=1)], mesh, case[2]),
+            lambda case: check_against_torch(torch.matmul, randn(*case[0]).requires_grad_(), randn(*case[1], seed=1).requires_grad_(), placements=case[2], mesh=mesh),
         )
         x3, w, b = randn(7, 3, 5), randn(6, 5, seed=1), randn(6, seed=2)
         self.run_subtests(
             {"lx": [[R], [S0], [S2]], "lw": [[R], [S0], [S1]]},
-            lambda lx, lw: check_against_torch(F.linear, [x3, w, b], mesh, [lx, lw, [R]]),
+            lambda lx, lw: check_against_torch(F.linear, x3.requires_grad_(), w.requires_grad_(), b.requires_grad_(), placements=[lx, lw, [R]], mesh=mesh),
         )
         mesh2 = init_device_mesh("cpu", (2, 2))
-        check_against_torch(F.linear, [randn(7, 5), w, b], mesh2, [[S0, R], [R, S0], [R, R]])
+        check_against_torch(F.linear, randn(7, 5).requires_grad_(), w.requires_grad_(), b.requires_grad_(), placements=[[S0, R], [R, S0], [R, R]], mesh=mesh2)
         # Column-parallel linear: weight rows sharded -> output columns sharded, no communication.
         x, weight = distribute_tensor(randn(7, 5), mesh, [R]), distribute_tensor(w, mesh, [S0])
         bias = distribute_tensor(b, mesh, [S0])
@@ -236,9 +216,7 @@ class MatrixOpsTest(DTensorTestBase):
         ]
         self.run_subtests(
             {"case": cases},
-            lambda case: check_against_torch(
-                lambda a, b: torch.einsum(case[0], a, b), [randn(*case[1]), randn(*case[2], seed=1)], mesh, case[3]
-            ),
+            lambda case: check_against_torch(lambda a, b: torch.einsum(case[0], a, b), randn(*case[1]).requires_grad_(), randn(*case[2], seed=1).requires_grad_(), placements=case[3], mesh=mesh),
         )
 
 
@@ -256,16 +234,12 @@ class AttentionTest(DTensorTestBase):
         ]
         self.run_subtests(
             {"layout": layouts, "is_causal": [False, True]},
-            lambda layout, is_causal: check_against_torch(
-                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), [q, k, v], mesh, layout
-            ),
+            lambda layout, is_causal: check_against_torch(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), placements=layout, mesh=mesh),
         )
         mesh2 = init_device_mesh("cpu", (2, 2))
         self.run_subtests(
             {"layout": [[[S0, S1]] * 3, [[S1, S2], [S1, R], [S1, R]]], "is_causal": [False, True]},
-            lambda layout, is_causal: check_against_torch(
-                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), [q, k, v], mesh2, layout
-            ),
+            lambda layout, is_causal: check_against_torch(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=is_causal), q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), placements=layout, mesh=mesh2),
         )
 
     @with_comms
@@ -273,11 +247,11 @@ class AttentionTest(DTensorTestBase):
         q, k, v = randn(2, 8, 6, 8), randn(2, 4, 7, 8, seed=1), randn(2, 4, 7, 8, seed=2)
         fn = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, enable_gqa=True)  # noqa: E731
         mesh = init_device_mesh("cpu", (4,))
-        out = check_against_torch(fn, [q, k, v], mesh, [[S1], [S1], [S1]])
+        out = check_against_torch(fn, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), placements=[[S1], [S1], [S1]], mesh=mesh)
         self.assertEqual(out.placements, (S1,))
         # 2 kv heads over 4 ranks cannot keep whole groups together: the heads are gathered
-        check_against_torch(fn, [q, k[:, :2], v[:, :2]], mesh, [[S1], [S1], [S1]])
-        check_against_torch(fn, [q, k, v], init_device_mesh("cpu", (2, 2)), [[S0, S1], [S0, S1], [S0, S1]])
+        check_against_torch(fn, q.requires_grad_(), k[:, :2].requires_grad_(), v[:, :2].requires_grad_(), placements=[[S1], [S1], [S1]], mesh=mesh)
+        check_against_torch(fn, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), placements=[[S0, S1], [S0, S1], [S0, S1]], mesh=init_device_mesh("cpu", (2, 2)))
 
     @with_comms
     def test_sdpa_with_mask(self) -> None:
@@ -287,7 +261,7 @@ class AttentionTest(DTensorTestBase):
         fn = lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m)  # noqa: E731
         self.run_subtests(
             {"layout": [[[S1], [S1], [S1], [R]], [[S2], [R], [R], [S0]], [[S0], [S0], [S0], [S1]]]},
-            lambda layout: check_against_torch(fn, [q, k, v, mask], mesh, layout),
+            lambda layout: check_against_torch(fn, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask.requires_grad_(), placements=layout, mesh=mesh),
         )
 
     @with_comms
@@ -360,12 +334,12 @@ class LinalgTest(DTensorTestBase):
     def check(self, mesh: Any, name: str, shape: tuple[int, ...], layout: Sequence[Any]) -> None:
         """Every operand laid out as ``layout``; a vector right-hand side (one dim fewer) is R off its batch dims."""
         fn, makers = LINALG[name]
-        fulls = [make(*shape, seed=i) for i, make in enumerate(makers)]
+        fulls = [make(*shape, seed=i).requires_grad_() for i, make in enumerate(makers)]
         layouts = [
             layout if f.ndim == len(shape) else [R if isinstance(p, Shard) and p.dim >= f.ndim - 1 else p for p in layout]
             for f in fulls
         ]
-        check_against_torch(fn, fulls, mesh, layouts)
+        check_against_torch(fn, *fulls, placements=layouts, mesh=mesh)
 
     @with_comms
     def test_every_linalg_op_on_every_layout(self) -> None:
@@ -424,21 +398,18 @@ class LinalgTest(DTensorTestBase):
 
 
 class ThreeDimMeshTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
+
 
     @with_comms
     def test_products_and_attention_on_2x2x2(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2, 2))
         a, b, bias = randn(4, 7, 6), randn(4, 6, 5, seed=1), randn(5, seed=2)
-        check_against_torch(torch.baddbmm, [bias, a, b], mesh, [[R, R, R], [S0, S2, S1], [S0, S1, R]])
-        check_against_torch(torch.bmm, [a, b], mesh, [[S1, S0, S2], [R, S0, S1]])
+        check_against_torch(torch.baddbmm, bias.requires_grad_(), a.requires_grad_(), b.requires_grad_(), placements=[[R, R, R], [S0, S2, S1], [S0, S1, R]], mesh=mesh)
+        check_against_torch(torch.bmm, a.requires_grad_(), b.requires_grad_(), placements=[[S1, S0, S2], [R, S0, S1]], mesh=mesh)
         # every dim of 8 splits over any set of the mesh dims without leaving a rank empty
         q, k, v = randn(8, 8, 8, 4), randn(8, 8, 6, 4, seed=1), randn(8, 8, 6, 4, seed=2)
-        out = check_against_torch(F.scaled_dot_product_attention, [q, k, v], mesh,
-                                  [[S0, S1, S2], [S0, S1, R], [S0, S1, R]])
+        out = check_against_torch(F.scaled_dot_product_attention, q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), placements=[[S0, S1, S2], [S0, S1, R], [S0, S1, R]], mesh=mesh)
         self.assertEqual(out.placements, (S0, S1, S2))
         # 2 batches and 4 heads could leave a rank empty, which the CPU kernel cannot take: gathered
-        check_against_torch(F.scaled_dot_product_attention, [q[:2, :4], k[:2, :4], v[:2, :4]], mesh,
-                            [[S0, S1, S2], [S0, S1, R], [S0, S1, R]])
+        check_against_torch(F.scaled_dot_product_attention, q[:2, :4].requires_grad_(), k[:2, :4].requires_grad_(), v[:2, :4].requires_grad_(), placements=[[S0, S1, S2], [S0, S1, R], [S0, S1, R]], mesh=mesh)
