@@ -3,63 +3,22 @@ masked_fill; results and gradients equal plain torch, and lookups keep shards wh
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
 
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import Placement
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randint, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R = Replicate()
 MESHES = [(4,), (2, 2)]
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
-
-
-def randint(high: int, *shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(high, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def as_dtensor(full: torch.Tensor, mesh, placements: Sequence[Placement]) -> DTensor:
-    """Float tensors become leaves whose .grad we can read (genuinely partial ones included)."""
-    if any(isinstance(p, Partial) for p in placements):
-        x = make_dtensor(full, mesh, placements, requires_grad=full.is_floating_point())
-        if full.is_floating_point():
-            x.retain_grad()
-        return x
-    x = distribute_tensor(full, mesh, placements)
-    return x.requires_grad_() if full.is_floating_point() else x
-
-
-def check(
-    fn: Callable[..., object],
-    mesh,
-    fulls: Sequence[torch.Tensor],
-    layouts: Sequence[Sequence[Placement]],
-    *,
-    backward: bool = True,
-) -> DTensor:
-    """fn on DTensors equals fn on plain tensors, forward and backward (float inputs only)."""
-    backward = backward and not any(isinstance(p, Partial) and not p.is_linear for ps in layouts for p in ps)
-    xs = [as_dtensor(f, mesh, p) for f, p in zip(fulls, layouts)]
-    refs = [f.clone().requires_grad_() if f.is_floating_point() else f for f in fulls]
-    out, expected = fn(*xs), fn(*refs)
-    assert isinstance(out, DTensor) and isinstance(expected, torch.Tensor)
-    torch.testing.assert_close(out.full_tensor(), expected)
-    if backward:
-        weight = randn(*expected.shape, seed=7)
-        (out.full_tensor() * weight).sum().backward()
-        (expected * weight).sum().backward()
-        for x, ref in zip(xs, refs):
-            if ref.is_floating_point() and ref.grad is not None:
-                torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
-    return out
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def layouts_for(mesh_ndim: int, tensor_ndim: int, *, partial: bool = False) -> list[tuple[Placement, ...]]:
@@ -93,7 +52,7 @@ class SliceSelectTest(DTensorTestBase):
         def one(mesh_shape, op) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout in layouts_for(mesh.ndim, 2, partial=True):
-                check(op, mesh, [randn(7, 6)], [layout])
+                check_against_torch(op, randn(7, 6).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "op": ops}, one)
 
@@ -121,14 +80,14 @@ class LookupTest(DTensorTestBase):
             full = randn(7, 6) if dim == 0 else randn(6, 7)
             for layout, index_layout in itertools.product(layouts_for(mesh.ndim, 2, partial=True),
                                                           layouts_for(mesh.ndim, 1)):
-                check(lambda x, i: x.index_select(dim, i), mesh, [full, index], [layout, index_layout])
+                check_against_torch(lambda x, i: x.index_select(dim, i), full.requires_grad_(), index, placements=[layout, index_layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "dim": [0, 1]}, one)
 
     @with_comms
     def test_sharded_index_gives_a_sharded_lookup_without_gathering_the_table(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        table_full, index_full = randn(10, 6), randint(10, 9)
+        table_full, index_full = randn(10, 6), seeded_randint(10, 9)
         table = distribute_tensor(table_full, mesh, [R]).requires_grad_()
         index = distribute_tensor(index_full, mesh, [Shard(0)])
         with CommDebugMode() as comm:
@@ -164,7 +123,7 @@ class LookupTest(DTensorTestBase):
             index_layouts = [(R,) * mesh.ndim, (Shard(0),) * mesh.ndim]
             for k, layout in enumerate(layouts_for(mesh.ndim, 3, partial=True)):
                 index_layout = index_layouts[k % 2]  # alternate: both index layouts meet every kind of self
-                check(op, mesh, [randn(5, 4, 3), *indices], [layout, *([index_layout] * len(indices))])
+                check_against_torch(op, randn(5, 4, 3).requires_grad_(), *indices, placements=[layout, *([index_layout] * len(indices))], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "case": ops}, one)
 
@@ -176,11 +135,8 @@ class LookupTest(DTensorTestBase):
             index = torch.tensor([4, 0, 2, 0]) if accumulate else torch.tensor([4, 0, 2, 5])
             for a, b in layout_tuples(mesh.ndim, 2, 2):
                 for index_layout in [(R,) * mesh.ndim, (Shard(0),) * mesh.ndim]:
-                    check(lambda x, i, v: x.index_put((i,), v, accumulate=accumulate), mesh,
-                          [randn(7, 6), index, randn(4, 6, seed=1)], [a, index_layout, b],
-                          backward=accumulate)
-                    check(lambda x, i, v: x.index_add(0, i, v, alpha=2), mesh,
-                          [randn(7, 6), index, randn(4, 6, seed=1)], [a, index_layout, b])
+                    check_against_torch(lambda x, i, v: x.index_put((i,), v, accumulate=accumulate), randn(7, 6).requires_grad_(), index, randn(4, 6, seed=1).requires_grad_(), placements=[a, index_layout, b], mesh=mesh, backward=accumulate)
+                    check_against_torch(lambda x, i, v: x.index_add(0, i, v, alpha=2), randn(7, 6).requires_grad_(), index, randn(4, 6, seed=1).requires_grad_(), placements=[a, index_layout, b], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "accumulate": [True, False]}, one)
         mesh = init_device_mesh("cpu", (4,))
@@ -194,27 +150,25 @@ class LookupTest(DTensorTestBase):
 
     @with_comms
     def test_gather_and_scatter(self) -> None:
-        index_full = randint(6, 7, 4, seed=3)  # along dim 1 of a (7, 6) tensor
+        index_full = seeded_randint(6, 7, 4, seed=3)  # along dim 1 of a (7, 6) tensor
         unique = torch.stack([torch.randperm(6, generator=torch.Generator().manual_seed(r))[:4] for r in range(7)])
 
         def one(mesh_shape) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             partial = (Partial(),) * mesh.ndim
             for a, i in [*layout_tuples(mesh.ndim, 2, 2), *((partial, i) for i in layouts_for(mesh.ndim, 2))]:
-                check(lambda x, ix: x.gather(1, ix), mesh, [randn(7, 6), index_full], [a, i])
-                check(lambda x, ix: x.scatter(1, ix, 0.0), mesh, [randn(7, 6), unique], [a, i])
+                check_against_torch(lambda x, ix: x.gather(1, ix), randn(7, 6).requires_grad_(), index_full, placements=[a, i], mesh=mesh)
+                check_against_torch(lambda x, ix: x.scatter(1, ix, 0.0), randn(7, 6).requires_grad_(), unique, placements=[a, i], mesh=mesh)
             for a, i, s in layout_tuples(mesh.ndim, 2, 3):
-                check(lambda x, ix, src: x.scatter(1, ix, src), mesh,
-                      [randn(7, 6), unique, randn(7, 4, seed=1)], [a, i, s])
-                check(lambda x, ix, src: x.scatter_add(1, ix, src), mesh,
-                      [randn(7, 6), index_full, randn(7, 4, seed=1)], [a, i, s])
+                check_against_torch(lambda x, ix, src: x.scatter(1, ix, src), randn(7, 6).requires_grad_(), unique, randn(7, 4, seed=1).requires_grad_(), placements=[a, i, s], mesh=mesh)
+                check_against_torch(lambda x, ix, src: x.scatter_add(1, ix, src), randn(7, 6).requires_grad_(), index_full, randn(7, 4, seed=1).requires_grad_(), placements=[a, i, s], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
 
     @with_comms
     def test_gather_backward_with_a_sharded_index_leaves_a_partial_sum(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        full, index_full = randn(5, 6), randint(6, 5, 8, seed=2)
+        full, index_full = randn(5, 6), seeded_randint(6, 5, 8, seed=2)
         x = distribute_tensor(full, mesh, [R]).requires_grad_()
         index = distribute_tensor(index_full, mesh, [Shard(1)])
         with CommDebugMode() as comm:
@@ -241,9 +195,8 @@ class SelectPointwiseTest(DTensorTestBase):
         def one(mesh_shape, op) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for a, b in layout_tuples(mesh.ndim, 2, 2):
-                check(op, mesh, [randn(7, 6), randn(7, 6, seed=1)], [a, b])
-            check(lambda x, m: x.masked_fill(m > 0, 1.0), mesh, [randn(7, 6), randn(6, seed=2)],
-                  [(Shard(0),) * mesh.ndim, (R,) * mesh.ndim])  # the mask broadcasts
+                check_against_torch(op, randn(7, 6).requires_grad_(), randn(7, 6, seed=1).requires_grad_(), placements=[a, b], mesh=mesh)
+            check_against_torch(lambda x, m: x.masked_fill(m > 0, 1.0), randn(7, 6).requires_grad_(), randn(6, seed=2).requires_grad_(), placements=[(Shard(0),) * mesh.ndim, (R,) * mesh.ndim], mesh=mesh)  # the mask broadcasts
 
         self.run_subtests({"mesh_shape": MESHES, "op": ops}, one)
 
@@ -272,23 +225,22 @@ class SelectPointwiseTest(DTensorTestBase):
 
 
 class ThreeDMeshTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
+
 
     @with_comms
     def test_lookups_on_a_2x2x2_mesh(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2, 2))
         index = torch.tensor([4, 0, 2, 2, 6, 1, 3, 3])
-        gather_index = randint(6, 7, 8, seed=4)
+        gather_index = seeded_randint(6, 7, 8, seed=4)
         layouts = [(Shard(0), Shard(1), R), (Shard(1), Shard(1), Partial()), (R, Shard(0), Shard(1))]
         index_layouts = [(R, R, R), (Shard(0), R, Shard(0))]
 
         def one(layout, index_layout) -> None:
-            check(lambda x, i: x.index_select(0, i), mesh, [randn(7, 6), index], [layout, index_layout])
-            check(lambda x, i: x[i], mesh, [randn(7, 6), index], [layout, index_layout])
-            check(lambda x, i: x.gather(1, i), mesh, [randn(7, 6), gather_index], [layout, index_layout])
-            check(lambda x: x[2:6, 1], mesh, [randn(7, 6)], [layout])
+            check_against_torch(lambda x, i: x.index_select(0, i), randn(7, 6).requires_grad_(), index, placements=[layout, index_layout], mesh=mesh)
+            check_against_torch(lambda x, i: x[i], randn(7, 6).requires_grad_(), index, placements=[layout, index_layout], mesh=mesh)
+            check_against_torch(lambda x, i: x.gather(1, i), randn(7, 6).requires_grad_(), gather_index, placements=[layout, index_layout], mesh=mesh)
+            check_against_torch(lambda x: x[2:6, 1], randn(7, 6).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"layout": layouts, "index_layout": index_layouts}, one)
 
@@ -305,7 +257,7 @@ class PositionalWriteTest(DTensorTestBase):
     @with_comms
     def test_scatter_family_forward_and_backward(self) -> None:
         unique = torch.tensor([4, 0, 2])
-        index_full = randint(6, 7, 4, seed=3)
+        index_full = seeded_randint(6, 7, 4, seed=3)
         cases = [
             # (fn, inputs, differentiable)
             (lambda x, s: x.select_scatter(s, 1, 2), [randn(7, 6, 4), randn(7, 4, seed=1)], True),
@@ -320,9 +272,9 @@ class PositionalWriteTest(DTensorTestBase):
             (lambda x, i, s: x.scatter_reduce(1, i, s, "amax", include_self=False),
              [randn(7, 6), index_full, randn(7, 4, seed=1)], True),
             (lambda x, i, s: x.scatter_reduce(1, i, s, "prod"), [randn(7, 6), index_full, randn(7, 4, seed=1)], True),
-            (lambda x, i: x.take(i), [randn(7, 6), randint(42, 3, 4, seed=4)], True),
+            (lambda x, i: x.take(i), [randn(7, 6), seeded_randint(42, 3, 4, seed=4)], True),
             (lambda x, i, s: x.put(i, s), [randn(7, 6), torch.tensor([40, 3, 17, 8]), randn(4, seed=1)], True),
-            (lambda x, i, s: x.put(i, s, accumulate=True), [randn(7, 6), randint(42, 8, seed=5), randn(8, seed=1)],
+            (lambda x, i, s: x.put(i, s, accumulate=True), [randn(7, 6), seeded_randint(42, 8, seed=5), randn(8, seed=1)],
              True),
             (lambda x, m, s: x.masked_scatter(m, s), [randn(7, 6), randn(7, 6, seed=2) > 0, randn(42, seed=1)], True),
         ]
@@ -330,12 +282,13 @@ class PositionalWriteTest(DTensorTestBase):
         def one(mesh_shape, case) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             fn, fulls, differentiable = case
+            fulls = [f.requires_grad_() if f.is_floating_point() else f for f in fulls]  # the values take gradients
             ndims = [f.ndim for f in fulls]
             for layouts in self.pairs(mesh.ndim, ndims[0], ndims[-1]):
                 per_input = [layouts[0], *([(R,) * mesh.ndim] * (len(fulls) - 2)), layouts[1]]
                 if len(fulls) == 3 and fulls[1].ndim == fulls[2].ndim:
                     per_input[1] = layouts[1]  # an index shaped like src shards with it
-                check(fn, mesh, fulls, per_input, backward=differentiable)
+                check_against_torch(fn, *fulls, placements=per_input, mesh=mesh, backward=differentiable)
 
         self.run_subtests({"mesh_shape": MESHES, "case": cases}, one)
 
@@ -364,7 +317,7 @@ class PositionalWriteTest(DTensorTestBase):
             torch.testing.assert_close(out.full_tensor(), fn(full, src_full, unique))
         # put(accumulate) with a sharded index: each rank adds its part into a sum-partial
         x = make_dtensor(full, mesh, [Partial("sum")])
-        positions, values = randint(48, 12, seed=6), randn(12, seed=2)
+        positions, values = seeded_randint(48, 12, seed=6), randn(12, seed=2)
         sharded_positions = distribute_tensor(positions, mesh, [Shard(0)])
         sharded_values = distribute_tensor(values, mesh, [Shard(0)])
         with CommDebugMode() as comm:
@@ -375,7 +328,7 @@ class PositionalWriteTest(DTensorTestBase):
     @with_comms
     def test_scatter_reduce_with_a_sharded_index_reduces_each_part_into_a_partial(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        full, index_full, src_full = randn(5, 6), randint(6, 5, 8, seed=1), randn(5, 8, seed=2)
+        full, index_full, src_full = randn(5, 6), seeded_randint(6, 5, 8, seed=1), randn(5, 8, seed=2)
         expected_placement = {"sum": Partial("sum"), "amax": Partial("max"), "amin": Partial("min")}
 
         def one(reduce, include_self) -> None:
@@ -396,8 +349,8 @@ class PositionalWriteTest(DTensorTestBase):
         def one(mesh_shape, k) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout in layouts_for(mesh.ndim, 3):
-                check(lambda x: x.rot90(k, (0, 1)), mesh, [randn(5, 6, 4)], [layout])
-                check(lambda x: x.rot90(k, (2, 0)), mesh, [randn(5, 6, 4)], [layout])
+                check_against_torch(lambda x: x.rot90(k, (0, 1)), randn(5, 6, 4).requires_grad_(), placements=[layout], mesh=mesh)
+                check_against_torch(lambda x: x.rot90(k, (2, 0)), randn(5, 6, 4).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "k": [0, 1, 2, 3, -1]}, one)
         mesh = init_device_mesh("cpu", (4,))
