@@ -3,8 +3,8 @@ in-place views, dtype views and repeat_interleave keep their shards; values and 
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,59 +12,16 @@ import torch.nn.functional as F
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor import ones as spmd_ones
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import DISPATCHER, implicit_replication
+from spmd.tensor.dispatch import implicit_replication, replicate_fallback
 from spmd.tensor.placement import Placement
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, assert_same_grads, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R = Replicate()
 MESHES = [(4,), (2, 2)]
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
-
-
-def as_real(t: torch.Tensor) -> torch.Tensor:
-    """Complex results are compared and differentiated through their (re, im) pairs."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def leaf(full: torch.Tensor, mesh, placements: Sequence[Placement]) -> DTensor:
-    """A DTensor whose .grad we can read: a distributed leaf, or a genuinely partial one."""
-    if any(isinstance(p, Partial) for p in placements):
-        x = make_dtensor(full, mesh, placements, requires_grad=True)
-        x.retain_grad()
-        return x
-    return distribute_tensor(full, mesh, placements).requires_grad_()
-
-
-def check(
-    fn: Callable[..., torch.Tensor],
-    mesh,
-    fulls: Sequence[torch.Tensor],
-    layouts: Sequence[Sequence[Placement]],
-    *,
-    backward: bool = True,
-    collectives: int | None = None,
-) -> DTensor:
-    """fn on DTensors equals fn on plain tensors, forward and backward; ``collectives`` counts the forward's."""
-    xs = [leaf(f, mesh, p) for f, p in zip(fulls, layouts)]
-    refs = [f.clone().requires_grad_(backward) for f in fulls]
-    with CommDebugMode() as comm:
-        out = fn(*xs)
-    if collectives is not None:
-        assert comm.get_total_counts() == collectives, (layouts, comm.get_comm_counts())
-    expected = fn(*refs)
-    assert isinstance(out, DTensor), type(out)
-    torch.testing.assert_close(out.full_tensor(), expected)
-    if backward:
-        weight = randn(*as_real(expected).shape, seed=10).to(as_real(expected).dtype)
-        (as_real(out.full_tensor()) * weight).sum().backward()
-        (as_real(expected) * weight).sum().backward()
-        for x, ref in zip(xs, refs):
-            torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
-    return out
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def layouts_for(mesh_ndim: int, tensor_ndim: int) -> list[tuple[Placement, ...]]:
@@ -98,7 +55,8 @@ class RotaryEmbeddingTest(DTensorTestBase):
         def one(mesh_shape, layout) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             q_full, k_full = randn(batch, seq, heads, head_dim, seed=1), randn(batch, seq, heads, head_dim, seed=2)
-            q, k = leaf(q_full, mesh, layout), leaf(k_full, mesh, layout)
+            q = distribute_tensor(q_full, mesh, layout).requires_grad_()
+            k = distribute_tensor(k_full, mesh, layout).requires_grad_()
             freqs = distribute_tensor(freqs_full, mesh, [R] * mesh.ndim)
             with CommDebugMode() as comm:
                 q_out, k_out = apply_rotary_emb(q, k, freqs)
@@ -147,13 +105,11 @@ class ComplexOpsTest(DTensorTestBase):
             replicated = (R,) * mesh.ndim
             for layout in layouts_for(mesh.ndim, 3):
                 moves_pair = Shard(2) in layout  # the (re, im) pair is made whole first
-                check(lambda x, w: torch.view_as_complex(x) * w, mesh, [randn(7, 3, 2), c], [layout, replicated],
-                      collectives=None if moves_pair else 0)
+                check_against_torch(lambda x, w: torch.view_as_complex(x) * w, randn(7, 3, 2).requires_grad_(), c.requires_grad_(), placements=[layout, replicated], mesh=mesh, collectives=None if moves_pair else 0)
             for layout in layouts_for(mesh.ndim, 2):  # 3 rows over 4 ranks: one holds an empty shard
-                check(lambda x: torch.view_as_real(torch.view_as_complex(x) * 1j), mesh, [randn(3, 2, 2)], [layout],
-                      collectives=None if Shard(1) in layout else 0)
-                check(torch.view_as_real, mesh, [c], [layout], collectives=0)
-                check(lambda z: torch.view_as_real(z * 2).flatten(1), mesh, [c], [layout])
+                check_against_torch(lambda x: torch.view_as_real(torch.view_as_complex(x) * 1j), randn(3, 2, 2).requires_grad_(), placements=[layout], mesh=mesh, collectives=None if Shard(1) in layout else 0)
+                check_against_torch(torch.view_as_real, c.requires_grad_(), placements=[layout], mesh=mesh, collectives=0)
+                check_against_torch(lambda z: torch.view_as_real(z * 2).flatten(1), c.requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
 
@@ -161,11 +117,10 @@ class ComplexOpsTest(DTensorTestBase):
     def test_complex_views_pass_sum_partials_and_keep_views_aliased(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
         for layout in [(Partial("sum"), Shard(0)), (Partial("avg"), R)]:
-            out = check(lambda x: torch.view_as_real(torch.view_as_complex(x) * 2), mesh, [randn(6, 4, 2)], [layout],
-                        collectives=0)
+            out = check_against_torch(lambda x: torch.view_as_real(torch.view_as_complex(x) * 2), randn(6, 4, 2).requires_grad_(), placements=[layout], mesh=mesh, collectives=0)
             self.assertEqual(out.placements, layout)
         # a max-partial has no meaning on complex values: it is reduced first
-        check(torch.view_as_complex, mesh, [randn(6, 4, 2)], [(Partial("max"), R)], backward=False)
+        check_against_torch(torch.view_as_complex, randn(6, 4, 2), placements=[(Partial("max"), R)], mesh=mesh, backward=False)
 
         x = distribute_tensor(randn(8, 4, 2), mesh, [Shard(0), Shard(1)])
         z = torch.view_as_complex(x)
@@ -187,20 +142,17 @@ class ComplexOpsTest(DTensorTestBase):
         def one(mesh_shape) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout in layouts_for(mesh.ndim, 2):
-                fulls = [randn(5, 6, seed=6).abs(), randn(5, 6, seed=7)]
-                check(torch.polar, mesh, fulls, [layout, layout], collectives=0)
-                check(torch.complex, mesh, fulls, [layout, layout], collectives=0)
-                check(lambda a, b: torch.complex(a, b).conj() * torch.polar(a, b), mesh, fulls, [layout, layout],
-                      collectives=0)
-                check(lambda a, b: torch.conj_physical(torch.complex(a, b)), mesh, fulls, [layout, layout],
-                      collectives=0)
-                check(lambda a, b: torch.angle(torch.complex(a, b)), mesh, fulls, [layout, layout], collectives=0)
+                fulls = [randn(5, 6, seed=6).abs().requires_grad_(), randn(5, 6, seed=7).requires_grad_()]
+                check_against_torch(torch.polar, *fulls, placements=[layout, layout], mesh=mesh, collectives=0)
+                check_against_torch(torch.complex, *fulls, placements=[layout, layout], mesh=mesh, collectives=0)
+                check_against_torch(lambda a, b: torch.complex(a, b).conj() * torch.polar(a, b), *fulls, placements=[layout, layout], mesh=mesh, collectives=0)
+                check_against_torch(lambda a, b: torch.conj_physical(torch.complex(a, b)), *fulls, placements=[layout, layout], mesh=mesh, collectives=0)
+                check_against_torch(lambda a, b: torch.angle(torch.complex(a, b)), *fulls, placements=[layout, layout], mesh=mesh, collectives=0)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
         mesh = init_device_mesh("cpu", (4,))
         # complex(re, im) is linear in (re, im) together: sum partials pass through
-        out = check(torch.complex, mesh, [randn(4, 3, seed=8), randn(4, 3, seed=9)],
-                    [(Partial("sum"),), (Partial("sum"),)], collectives=0)
+        out = check_against_torch(torch.complex, randn(4, 3, seed=8).requires_grad_(), randn(4, 3, seed=9).requires_grad_(), placements=[(Partial("sum"),), (Partial("sum"),)], mesh=mesh, collectives=0)
         self.assertEqual(out.placements, (Partial("sum"),))
 
 
@@ -212,8 +164,8 @@ class InplaceViewTest(DTensorTestBase):
         def one(mesh_shape) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout_v, layout_m in itertools.product(layouts_for(mesh.ndim, 1), layouts_for(mesh.ndim, 2)):
-                check(torch.matmul, mesh, [randn(8), randn(8, 6, seed=1)], [layout_v, layout_m])
-                check(torch.matmul, mesh, [randn(6, 8, seed=1), randn(8)], [layout_m, layout_v])
+                check_against_torch(torch.matmul, randn(8).requires_grad_(), randn(8, 6, seed=1).requires_grad_(), placements=[layout_v, layout_m], mesh=mesh)
+                check_against_torch(torch.matmul, randn(6, 8, seed=1).requires_grad_(), randn(8).requires_grad_(), placements=[layout_m, layout_v], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
 
@@ -275,8 +227,8 @@ class InplaceViewTest(DTensorTestBase):
         def one(mesh_shape) -> None:
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout in layouts_for(mesh.ndim, 2):
-                check(fn, mesh, [randn(5, 6)], [layout], collectives=0)
-            check(fn, mesh, [randn(4, 6)], [(Partial("sum"),) * mesh.ndim], collectives=0)
+                check_against_torch(fn, randn(5, 6).requires_grad_(), placements=[layout], mesh=mesh, collectives=0)
+            check_against_torch(fn, randn(4, 6).requires_grad_(), placements=[(Partial("sum"),) * mesh.ndim], mesh=mesh, collectives=0)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
 
@@ -329,7 +281,7 @@ class RepeatInterleaveTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             for layout in layouts_for(mesh.ndim, 3):
                 for dim in (0, 1, 2, None):
-                    check(lambda x, dim=dim: x.repeat_interleave(2, dim=dim), mesh, [randn(5, 4, 3)], [layout])
+                    check_against_torch(lambda x, dim=dim: x.repeat_interleave(2, dim=dim), randn(5, 4, 3).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES}, one)
         mesh = init_device_mesh("cpu", (4,))
@@ -353,10 +305,8 @@ class RepeatInterleaveTest(DTensorTestBase):
         # torchtitan's repeat_kv: [bs, seq, kv_heads, head_dim] -> [bs, seq, kv_heads * n_rep, head_dim]
         mesh = init_device_mesh("cpu", (4,))
         for layout in [(Shard(0),), (Shard(2),)]:
-            check(lambda kv: torch.repeat_interleave(kv, 2, dim=2), mesh, [randn(4, 3, 4, 8)], [layout],
-                  collectives=0)
-            check(lambda kv: kv[:, :, :, None, :].expand(4, 3, 4, 2, 8).reshape(4, 3, 8, 8), mesh,
-                  [randn(4, 3, 4, 8)], [layout], collectives=0)
+            check_against_torch(lambda kv: torch.repeat_interleave(kv, 2, dim=2), randn(4, 3, 4, 8).requires_grad_(), placements=[layout], mesh=mesh, collectives=0)
+            check_against_torch(lambda kv: kv[:, :, :, None, :].expand(4, 3, 4, 2, 8).reshape(4, 3, 8, 8), randn(4, 3, 4, 8).requires_grad_(), placements=[layout], mesh=mesh, collectives=0)
 
 
 class RulesOnlyTest(DTensorTestBase):
@@ -364,12 +314,7 @@ class RulesOnlyTest(DTensorTestBase):
 
     def setUp(self) -> None:
         super().setUp()
-        self._fallback = DISPATCHER.fallback
-        DISPATCHER.fallback = False
-
-    def tearDown(self) -> None:
-        DISPATCHER.fallback = self._fallback
-        super().tearDown()
+        self.enterContext(replicate_fallback(False))
 
     @with_comms
     def test_repeat_interleave_with_a_tensor_of_counts(self) -> None:
@@ -394,8 +339,8 @@ class RulesOnlyTest(DTensorTestBase):
         start = distribute_tensor(torch.tensor(2), mesh, [R, R])
         full = randn(5, 6, 7)
         for layout in [(Shard(0), R), (Shard(2), Shard(0)), (R, Shard(1))]:
-            check(lambda x: x.narrow(1, start, 3), mesh, [full], [layout])
-            check(lambda x: x.narrow(1, torch.tensor(2), 3), mesh, [full], [layout])
+            check_against_torch(lambda x: x.narrow(1, start, 3), full.requires_grad_(), placements=[layout], mesh=mesh)
+            check_against_torch(lambda x: x.narrow(1, torch.tensor(2), 3), full.requires_grad_(), placements=[layout], mesh=mesh)
 
     @with_comms
     def test_list_indexing_treats_the_list_as_replicated(self) -> None:
@@ -412,7 +357,7 @@ class RulesOnlyTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             for fn in cases:
                 for layout in layouts_for(mesh.ndim, 3):
-                    check(fn, mesh, [full], [layout])
+                    check_against_torch(fn, full.detach().requires_grad_(), placements=[layout], mesh=mesh)  # full is written below
 
         self.run_subtests({"mesh_shape": MESHES}, one)
         mesh = init_device_mesh("cpu", (4,))
@@ -463,7 +408,7 @@ class RulesOnlyTest(DTensorTestBase):
             def put(t: torch.Tensor, v: torch.Tensor, accumulate: bool = accumulate, index: DTensor = index) -> torch.Tensor:
                 return aten.index_put(t, [None, index if isinstance(t, DTensor) else columns], v, accumulate)
 
-            check(put, mesh, [full, values_full], [(Shard(0),), (Shard(0),)], collectives=0)
+            check_against_torch(put, full.detach().requires_grad_(), values_full.detach().requires_grad_(), placements=[(Shard(0),), (Shard(0),)], mesh=mesh, collectives=0)
 
 
 class CausalMaskTest(DTensorTestBase):
@@ -493,7 +438,7 @@ class CausalMaskTest(DTensorTestBase):
             float_mask = distribute_tensor(float_mask_full, mesh, [R])
             # heads sharded: the einsum's (b, h) flatten cannot keep an inner shard, so only batch here
             for fn in variants + ([explicit] if placement == Shard(0) else []):
-                qkv = [leaf(f, mesh, [placement]) for f in fulls]
+                qkv = [distribute_tensor(f, mesh, [placement]).requires_grad_() for f in fulls]
                 refs = [f.clone().requires_grad_() for f in fulls]
                 with CommDebugMode() as comm:
                     out = fn(*qkv, bool_mask, float_mask)
@@ -538,12 +483,7 @@ class Attention(torch.nn.Module):
 class TensorParallelAttentionTest(DTensorTestBase):
     def setUp(self) -> None:
         super().setUp()
-        self._fallback = DISPATCHER.fallback
-        DISPATCHER.fallback = False  # every op below must have a rule
-
-    def tearDown(self) -> None:
-        DISPATCHER.fallback = self._fallback
-        super().tearDown()
+        self.enterContext(replicate_fallback(False))  # every op below must have a rule
 
     @with_comms
     def test_attention_block_with_rotary_embeddings_matches_one_device(self) -> None:
@@ -578,5 +518,4 @@ class TensorParallelAttentionTest(DTensorTestBase):
         expected.sum().backward()
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(x.grad, x_ref.grad)
-        for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, msg=name)
+        assert_same_grads(model, reference)
