@@ -2,59 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
 
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import Placement
-from spmd.testing import DTensorTestBase, run_threaded, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R = Replicate()
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
-
-
-def leaf(full: torch.Tensor, mesh, placements: Sequence[Placement]) -> DTensor:
-    """A DTensor whose .grad we can read: a distributed leaf, or a genuinely partial one."""
-    if any(isinstance(p, Partial) for p in placements):
-        x = make_dtensor(full, mesh, placements, requires_grad=True)
-        x.retain_grad()
-        return x
-    return distribute_tensor(full, mesh, placements).requires_grad_()
-
-
-def check(
-    fn: Callable[..., object],
-    mesh,
-    fulls: Sequence[torch.Tensor],
-    layouts: Sequence[Sequence[Placement]],
-    *,
-    backward: bool = True,
-) -> tuple[DTensor, ...]:
-    """fn on DTensors equals fn on plain tensors, forward and (unless told otherwise) backward."""
-    backward = backward and not any(isinstance(p, Partial) and not p.is_linear for ps in layouts for p in ps)
-    xs = [leaf(f, mesh, p) for f, p in zip(fulls, layouts)]
-    refs = [f.clone().requires_grad_() for f in fulls]
-    out, expected = fn(*xs), fn(*refs)
-    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    exps = tuple(expected) if isinstance(expected, (tuple, list)) else (expected,)
-    assert len(outs) == len(exps)
-    for o, e in zip(outs, exps):
-        assert isinstance(o, DTensor), type(o)
-        torch.testing.assert_close(o.full_tensor(), e)
-    if backward:
-        weights = [randn(*e.shape, seed=10 + i) for i, e in enumerate(exps)]
-        sum((o.full_tensor() * w).sum() for o, w in zip(outs, weights)).backward()
-        sum((e * w).sum() for e, w in zip(exps, weights)).backward()
-        for x, ref in zip(xs, refs):
-            torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
-    return outs
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def layouts_for(mesh_ndim: int, tensor_ndim: int) -> list[tuple[Placement, ...]]:
@@ -85,7 +47,7 @@ class ViewTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             shape, fn = case
             for layout in layouts_for(mesh.ndim, len(shape)):
-                check(fn, mesh, [randn(*shape)], [layout])
+                check_against_torch(fn, randn(*shape).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "case": cases}, one)
 
@@ -139,7 +101,7 @@ class ViewTest(DTensorTestBase):
             self.assertEqual(comm.get_total_counts(), 0)
             self.assertEqual(out.placements[0], Partial(reduce_op))
             torch.testing.assert_close(out.full_tensor(), op(full))
-            check(op, mesh, [full], [layout])
+            check_against_torch(op, full.requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"op": ops, "reduce_op": ["sum", "avg", "max"], "other": [R, Shard(0)]}, one)
 
@@ -159,7 +121,7 @@ class ViewTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             shape, fn = case
             for layout in layouts_for(mesh.ndim, len(shape)):
-                check(fn, mesh, [randn(*shape)], [layout])
+                check_against_torch(fn, randn(*shape).requires_grad_(), placements=[layout], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "case": cases}, one)
         mesh = init_device_mesh("cpu", (4,))
@@ -174,7 +136,7 @@ class ShapeOpsTest(DTensorTestBase):
             mesh = init_device_mesh("cpu", mesh_shape)
             shapes, fn = case
             for layout in layouts_for(mesh.ndim, len(shapes[0])):
-                check(fn, mesh, [randn(*s, seed=i) for i, s in enumerate(shapes)], [layout] * len(shapes))
+                check_against_torch(fn, *[randn(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)], placements=[layout] * len(shapes), mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES, "case": cases}, one)
 
@@ -256,7 +218,7 @@ class ShapeOpsTest(DTensorTestBase):
         def mixed(mesh_shape) -> None:  # inputs laid out differently
             mesh = init_device_mesh("cpu", mesh_shape)
             for a, b in itertools.product(layouts_for(mesh.ndim, 2), repeat=2):
-                check(lambda x, y: torch.cat([x, y], 1), mesh, [randn(5, 3), randn(5, 2, seed=1)], [a, b])
+                check_against_torch(lambda x, y: torch.cat([x, y], 1), randn(5, 3).requires_grad_(), randn(5, 2, seed=1).requires_grad_(), placements=[a, b], mesh=mesh)
 
         self.run_subtests({"mesh_shape": MESHES}, mixed)
 
@@ -298,9 +260,7 @@ class ShapeOpsTest(DTensorTestBase):
 
 
 class ThreeDMeshTest(DTensorTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
 
     @with_comms
     def test_views_and_triangles_on_a_2x2x2_mesh(self) -> None:
@@ -314,14 +274,14 @@ class ThreeDMeshTest(DTensorTestBase):
             lambda x: torch.cat(x.split(4, 0)[::-1], 0),
         ]
         self.run_subtests(
-            {"layout": layouts, "op": ops}, lambda layout, op: check(op, mesh, [randn(8, 6)], [layout])
+            {"layout": layouts, "op": ops}, lambda layout, op: check_against_torch(op, randn(8, 6).requires_grad_(), placements=[layout], mesh=mesh)
         )
         x = distribute_tensor(randn(8, 6), mesh, [Shard(0), Shard(0), R])
         self.assertEqual(x.flatten().placements, (Shard(0), Shard(0), R))
 
 
 def test_diagonal_keeps_shards_off_the_diagonal_dims_and_is_a_view() -> None:
-    full = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(0))
+    full = seeded_randn(4, 6, 5)
 
     def diagonals() -> tuple:
         mesh = init_device_mesh("cpu", (4,))
