@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import unittest
@@ -15,7 +16,7 @@ import torch
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.ops import REGISTRY
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import expected_local_grad, local_piece
 
 aten = torch.ops.aten
@@ -25,9 +26,7 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 INF = math.inf
 
 
-def seeded(*shape: int, seed: int = 0) -> torch.Tensor:
-    """The same values on every rank thread (they share torch's global generator, so seed one)."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+seeded = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def missing_rules(ops: Sequence[Any]) -> list[str]:
@@ -483,9 +482,7 @@ class ReductionPlacementTest(DTensorTestBase):
 
 
 class ReductionOn3dMeshTest(ReductionTestBase):
-    @property
-    def world_size(self) -> int:
-        return 8
+    world_size = 8
 
     @with_comms
     def test_reductions_on_a_2x2x2_mesh(self) -> None:
