@@ -3,23 +3,21 @@ without moving data, and equal plain torch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 SUM, AVG = Partial("sum"), Partial("avg")
-
-
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 IMAGE = (6, 4, 6, 6)  # over 4 ranks: 6 images -> 2, 2, 2, 0 (pools accept an empty batch); 4 channels -> 1 each
@@ -44,33 +42,11 @@ POOLS: dict[str, Callable[[torch.Tensor], Any]] = {
 
 
 class PoolingTest(DTensorTestBase):
-    def check(self, fn: Callable[..., Any], fulls: Sequence[torch.Tensor], mesh: Any, layouts: Sequence[Any]) -> int:
-        """Values and input gradients equal torch's; returns the forward's collective count."""
-        leaves = [f.clone().requires_grad_() for f in fulls]
-        dtensors = [make_dtensor(f, mesh, layout, requires_grad=True) for f, layout in zip(fulls, layouts)]
-        for d in dtensors:
-            d.retain_grad()
-        with CommDebugMode() as comm:
-            out = fn(*dtensors)
-        expected = fn(*leaves)
-        outs = list(out) if isinstance(out, tuple) else [out]
-        wants = list(expected) if isinstance(expected, tuple) else [expected]
-        for got, want in zip(outs, wants):
-            self.assertIsInstance(got, DTensor)
-            torch.testing.assert_close(got.full_tensor(), want)
-        weight = randn(*wants[0].shape, seed=7)
-        (outs[0].full_tensor() * weight).sum().backward()
-        (wants[0] * weight).sum().backward()
-        for d, leaf in zip(dtensors, leaves):
-            assert d.grad is not None and leaf.grad is not None
-            torch.testing.assert_close(d.grad.full_tensor(), leaf.grad)
-        return comm.get_total_counts()
-
     @with_comms
     def test_batch_and_channel_shards_stay(self) -> None:
         """A batch shard, a channel shard and both on a 2-d mesh: no data moves."""
         mesh, mesh_2d = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
-        x = randn(*IMAGE)
+        x = randn(*IMAGE).requires_grad_()
         for name, fn in POOLS.items():
             cases = [(mesh_2d, [S0, S0])]
             if name != "pixel_unshuffle":  # torch's pixel_unshuffle mishandles an empty batch
@@ -79,24 +55,27 @@ class PoolingTest(DTensorTestBase):
                 cases += [(mesh, [S1]), (mesh_2d, [S0, S1])]  # the others mix channels
             for m, layout in cases:
                 with self.subTest(op=name, layout=layout):
-                    self.assertEqual(self.check(fn, [x], m, [layout]), 0)
+                    check_against_torch(fn, x, placements=[layout], mesh=m, collectives=0)
 
     @with_comms
     def test_an_empty_batch_piece(self) -> None:
         """3 images over 4 ranks: the last rank pools an empty batch."""
         mesh = init_device_mesh("cpu", (4,))
-        x = randn(3, 2, 6, 6)  # 3 -> 1, 1, 1, 0
+        x = randn(3, 2, 6, 6).requires_grad_()  # 3 -> 1, 1, 1, 0
         for name in ["avg_pool2d", "max_pool2d", "adaptive_max_pool2d", "interpolate bilinear", "unfold"]:
             with self.subTest(op=name):
-                self.assertEqual(self.check(POOLS[name], [x], mesh, [[S0]]), 0)
+                check_against_torch(POOLS[name], x, placements=[[S0]], mesh=mesh, collectives=0)
 
     @with_comms
     def test_a_spatial_shard_is_gathered_and_the_result_is_right(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        x = randn(*IMAGE)
+        x = randn(*IMAGE).requires_grad_()
         for name in ["avg_pool2d", "max_pool2d", "interpolate bicubic"]:
             with self.subTest(op=name):
-                self.assertGreater(self.check(POOLS[name], [x], mesh, [[Shard(2)]]), 0)
+                with CommDebugMode() as comm:
+                    POOLS[name](distribute_tensor(x.detach(), mesh, [Shard(2)]))
+                self.assertGreater(comm.get_total_counts(), 0)
+                check_against_torch(POOLS[name], x, placements=[[Shard(2)]], mesh=mesh)
 
     @with_comms
     def test_linear_ops_keep_a_pending_sum(self) -> None:
@@ -110,7 +89,7 @@ class PoolingTest(DTensorTestBase):
                     self.assertEqual((comm.get_total_counts(), out.placements), (0, (partial,)))
                     torch.testing.assert_close(out.full_tensor(), POOLS[name](x))
         # max pooling is not linear: the sum is reduced first
-        self.check(POOLS["max_pool2d"], [x], mesh, [[SUM]])
+        check_against_torch(POOLS["max_pool2d"], x.requires_grad_(), placements=[[SUM]], mesh=mesh)
 
     @with_comms
     def test_grid_sample_batch_and_channel(self) -> None:
@@ -118,8 +97,8 @@ class PoolingTest(DTensorTestBase):
         gradient is then a pending sum over the channel pieces); a shard of the grid's output
         points samples the whole input (whose gradient is then a pending sum)."""
         mesh = init_device_mesh("cpu", (4,))
-        x, grid = randn(5, 4, 6, 6), torch.tanh(randn(5, 3, 4, 2, seed=1))
+        x, grid = randn(5, 4, 6, 6).requires_grad_(), torch.tanh(randn(5, 3, 4, 2, seed=1)).requires_grad_()
         for layouts in [[[S0], [S0]], [[S1], [R]], [[R], [S1]], [[R], [S2]]]:
             with self.subTest(layouts=layouts):
-                moved = self.check(lambda a, g: F.grid_sample(a, g, align_corners=False), [x, grid], mesh, layouts)
-                self.assertEqual(moved, 0)
+                grid_sample = lambda a, g: F.grid_sample(a, g, align_corners=False)  # noqa: E731
+                check_against_torch(grid_sample, x, grid, placements=layouts, mesh=mesh, collectives=0)
