@@ -3,22 +3,20 @@ keep (or sum up) their shards without gathering the operands."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
-from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
-from spmd.testing.layouts import make_dtensor
+from spmd.tensor import Partial, Replicate, Shard, init_device_mesh
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 SUM = Partial("sum")
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def spd(*batch: int, n: int = 4) -> torch.Tensor:
@@ -31,42 +29,28 @@ class ProductsTest(DTensorTestBase):
     def check(
         self,
         fn: Callable[..., Any],
-        fulls: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
         mesh: Any,
         layouts: Sequence[Sequence[Any]],
         expected_placements: tuple[Any, ...] | None = None,
     ) -> None:
-        """Values and gradients equal torch's; with ``expected_placements``, the forward moves no
-        data and the (first) output has those placements."""
-        leaves = [f.clone().requires_grad_() for f in fulls]
-        dtensors = [make_dtensor(f, mesh, layout, requires_grad=True) for f, layout in zip(fulls, layouts)]
-        for d in dtensors:
-            d.retain_grad()
-        with CommDebugMode() as comm:
-            out = fn(*dtensors)
-        expected = fn(*leaves)
-        outs = list(out) if isinstance(out, tuple) else [out]
-        wants = list(expected) if isinstance(expected, tuple) else [expected]
-        if expected_placements is not None:
-            self.assertEqual((comm.get_total_counts(), outs[0].placements), (0, expected_placements))
-        for got, want in zip(outs, wants):
-            self.assertIsInstance(got, DTensor)
-            torch.testing.assert_close(got.full_tensor(), want)
-        weight = randn(*wants[0].shape, seed=11)
-        (outs[0].full_tensor() * weight).sum().backward()
-        (wants[0] * weight).sum().backward()
-        for d, leaf in zip(dtensors, leaves):
-            assert d.grad is not None and leaf.grad is not None
-            torch.testing.assert_close(d.grad.full_tensor(), leaf.grad)
+        """The shared oracle; with ``expected_placements``, the forward also moves no data and the
+        (first) output has those placements."""
+        moves_nothing = expected_placements is not None
+        out = check_against_torch(
+            fn, *inputs, placements=layouts, mesh=mesh, collectives=0 if moves_nothing else None
+        )
+        if moves_nothing:
+            self.assertEqual((out[0] if isinstance(out, tuple) else out).placements, expected_placements)
 
     @with_comms
     def test_addr_and_addbmm(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        bias, u, v = randn(7, 5), randn(7, seed=1), randn(5, seed=2)
+        bias, u, v = randn(7, 5).requires_grad_(), randn(7, seed=1).requires_grad_(), randn(5, seed=2).requires_grad_()
         addr = lambda b, x, y: torch.addr(b, x, y, beta=0.5, alpha=2.0)  # noqa: E731
         self.check(addr, [bias, u, v], mesh, [[S0], [S0], [R]], (S0,))
         self.check(addr, [bias, u, v], mesh, [[S1], [R], [S0]], (S1,))
-        b1, b2 = randn(6, 7, 3, seed=3), randn(6, 3, 5, seed=4)
+        b1, b2 = randn(6, 7, 3, seed=3).requires_grad_(), randn(6, 3, 5, seed=4).requires_grad_()
         # the batch is summed over: batch shards give a pending sum, and so does the bias' share
         self.check(torch.addbmm, [bias, b1, b2], mesh, [[SUM], [S0], [S0]], (SUM,))
         self.check(torch.addbmm, [bias, b1, b2], mesh, [[S0], [S1], [R]], (S0,))
@@ -74,8 +58,8 @@ class ProductsTest(DTensorTestBase):
     @with_comms
     def test_vdot_and_cross(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        self.check(torch.vdot, [randn(9), randn(9, seed=1)], mesh, [[S0], [S0]], (SUM,))
-        a, b = randn(7, 3, 5), randn(7, 3, 5, seed=1)
+        self.check(torch.vdot, [randn(9).requires_grad_(), randn(9, seed=1).requires_grad_()], mesh, [[S0], [S0]], (SUM,))
+        a, b = randn(7, 3, 5).requires_grad_(), randn(7, 3, 5, seed=1).requires_grad_()
         cross = lambda x, y: torch.linalg.cross(x, y, dim=1)  # noqa: E731
         self.check(cross, [a, b], mesh, [[S0], [S0]], (S0,))
         self.check(cross, [a, b], mesh, [[S2], [S2]], (S2,))
@@ -86,20 +70,20 @@ class ProductsTest(DTensorTestBase):
         """Each rank adds the diagonal elements its block holds: P(sum), without moving data."""
         mesh, mesh_2d = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
         for shape in [(7, 7), (5, 9), (9, 5)]:
-            x = randn(*shape)
+            x = randn(*shape).requires_grad_()
             for m, layout in [(mesh, [S0]), (mesh, [S1]), (mesh_2d, [S0, S1]), (mesh_2d, [S1, S1])]:
                 with self.subTest(shape=shape, layout=layout):
                     self.check(torch.trace, [x], m, [layout], (SUM,) * len(layout))
-        self.check(torch.trace, [randn(5, 5)], mesh, [[SUM]], (SUM,))
+        self.check(torch.trace, [randn(5, 5).requires_grad_()], mesh, [[SUM]], (SUM,))
 
     @with_comms
     def test_dist_and_cdist(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        a, b = randn(7, 5), randn(7, 5, seed=1)
+        a, b = randn(7, 5).requires_grad_(), randn(7, 5, seed=1).requires_grad_()
         for p in (1.0, 2.0, 3.0, float("inf")):
             with self.subTest(p=p):
                 self.check(lambda x, y, p=p: torch.dist(x, y, p), [a, b], mesh, [[S0], [S0]])
-        x1, x2 = randn(3, 7, 4), randn(3, 6, 4, seed=1)
+        x1, x2 = randn(3, 7, 4).requires_grad_(), randn(3, 6, 4, seed=1).requires_grad_()
         self.check(torch.cdist, [x1, x2], mesh, [[S0], [S0]], (S0,))
         self.check(torch.cdist, [x1, x2], mesh, [[S1], [R]], (S1,))
         self.check(torch.cdist, [x1, x2], mesh, [[R], [S1]], (S2,))
@@ -107,8 +91,8 @@ class ProductsTest(DTensorTestBase):
     @with_comms
     def test_batched_linalg_keeps_the_batch_shard(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        a = spd(6)  # 6 matrices -> 2, 2, 2, 0: linalg kernels accept an empty batch
-        rhs = randn(6, 4, 2, seed=3)
+        a = spd(6).requires_grad_()  # 6 matrices -> 2, 2, 2, 0: linalg kernels accept an empty batch
+        rhs = randn(6, 4, 2, seed=3).requires_grad_()
         lower = torch.linalg.cholesky(a)
         cases: dict[str, tuple[Callable[..., Any], list[torch.Tensor]]] = {
             "cholesky": (torch.cholesky, [a]),
@@ -126,6 +110,6 @@ class ProductsTest(DTensorTestBase):
     @with_comms
     def test_solves_are_linear_in_the_right_hand_side(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        lower = torch.linalg.cholesky(spd(n=5))
-        rhs = randn(5, 3, seed=1)
+        lower = torch.linalg.cholesky(spd(n=5)).requires_grad_()
+        rhs = randn(5, 3, seed=1).requires_grad_()
         self.check(torch.cholesky_solve, [rhs, lower], mesh, [[SUM], [R]], (SUM,))
