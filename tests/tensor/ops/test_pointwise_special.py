@@ -4,15 +4,16 @@ shrinks, glu and prelu."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -20,8 +21,7 @@ SUM = Partial("sum")
 SHAPE = (7, 6)  # over 4 ranks: 7 -> 2, 2, 2, 1; 6 -> 2, 2, 2, 0 (an empty shard)
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def positive(seed: int = 0) -> torch.Tensor:
@@ -67,40 +67,18 @@ class SpecialPointwiseTest(DTensorTestBase):
     def check(
         self,
         fn: Callable[..., Any],
-        fulls: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
         mesh: Any,
         layouts: Sequence[Sequence[Any]],
         *,
         moves_nothing: bool = True,
     ) -> None:
-        """fn on DTensors in ``layouts``: values equal torch's and (``moves_nothing``, no partial
-        inputs) no data moves and the output keeps the first input's layout; the gradients of the
-        first output equal torch's."""
-        leaves = [f.clone().requires_grad_(f.is_floating_point()) for f in fulls]
-        dtensors = [
-            make_dtensor(f, mesh, layout, requires_grad=f.is_floating_point()) for f, layout in zip(fulls, layouts)
-        ]
-        for d in dtensors:
-            if d.requires_grad:
-                d.retain_grad()
-        with CommDebugMode() as comm:
-            outs = outputs_of(fn(*dtensors))
-        expected = outputs_of(fn(*leaves))
-        if moves_nothing and not any(isinstance(p, Partial) for layout in layouts for p in layout):
-            self.assertEqual(comm.get_total_counts(), 0)
-            self.assertEqual(outs[0].placements, tuple(layouts[0]))
-        for out, want in zip(outs, expected):
-            self.assertIsInstance(out, DTensor)
-            torch.testing.assert_close(out.full_tensor(), want, equal_nan=True)
-        if not (expected[0].requires_grad and expected[0].is_floating_point()):
-            return
-        weight = randn(*expected[0].shape, seed=9)
-        (outs[0].full_tensor() * weight).sum().backward()
-        (expected[0] * weight).sum().backward()
-        for d, leaf in zip(dtensors, leaves):
-            if leaf.grad is not None:
-                assert d.grad is not None
-                torch.testing.assert_close(d.grad.full_tensor(), leaf.grad)
+        """The shared oracle; with ``moves_nothing`` (and no partial input) the forward also moves no
+        data and the first output keeps the first input's layout."""
+        moves_nothing = moves_nothing and not any(isinstance(p, Partial) for layout in layouts for p in layout)
+        out = check_against_torch(fn, *inputs, placements=layouts, mesh=mesh, collectives=0 if moves_nothing else None)
+        if moves_nothing:
+            self.assertEqual(outputs_of(out)[0].placements, tuple(layouts[0]))
 
     @with_comms
     def test_unary_ops_keep_shards(self) -> None:
@@ -109,7 +87,7 @@ class SpecialPointwiseTest(DTensorTestBase):
         for name, (fn, make) in UNARY.items():
             with self.subTest(op=name):
                 for m, layout in [(mesh, [S0]), (mesh, [S1]), (mesh, [R]), (mesh_2d, [S1, S0])]:
-                    self.check(fn, [make()], m, [layout])
+                    self.check(fn, [make().requires_grad_()], m, [layout])
 
     @with_comms
     def test_binary_ops_keep_matching_shards(self) -> None:
@@ -117,17 +95,17 @@ class SpecialPointwiseTest(DTensorTestBase):
         for name, fn in BINARY.items():
             with self.subTest(op=name):
                 for layouts in [([S0], [S0]), ([S1], [S1]), ([S0], [R])]:
-                    self.check(fn, [positive(), positive(seed=1)], mesh, layouts)
+                    self.check(fn, [positive().requires_grad_(), positive(seed=1).requires_grad_()], mesh, layouts)
 
     @with_comms
     def test_a_pending_sum_is_reduced_before_a_nonlinear_op(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        self.check(torch.special.bessel_j0, [randn(*SHAPE)], mesh, [[SUM]])
+        self.check(torch.special.bessel_j0, [randn(*SHAPE).requires_grad_()], mesh, [[SUM]])
 
     @with_comms
     def test_glu_keeps_shards_off_the_halved_dim(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
-        x = randn(8, 6)  # glu halves its dim, so that dim must be even
+        x = randn(8, 6).requires_grad_()  # glu halves its dim, so that dim must be even
         for dim, layout, moves in [(-1, S0, False), (0, S1, False), (-1, S1, True)]:
             x_dt = make_dtensor(x, mesh, [layout])
             with CommDebugMode() as comm:
@@ -142,6 +120,6 @@ class SpecialPointwiseTest(DTensorTestBase):
         """prelu's weight broadcasts over the batch: a batch shard gives the weight's gradient as a
         pending sum, a channel shard shards the weight too."""
         mesh = init_device_mesh("cpu", (4,))
-        x, weight = randn(5, 6, 3), randn(6, seed=1).abs() * 0.3
+        x, weight = randn(5, 6, 3).requires_grad_(), (randn(6, seed=1).abs() * 0.3).requires_grad_()
         for layouts in [([S0], [R]), ([S1], [S0]), ([Shard(2)], [R]), ([R], [R])]:
             self.check(F.prelu, [x, weight], mesh, layouts)
