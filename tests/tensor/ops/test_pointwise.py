@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
@@ -18,28 +19,18 @@ SUM, AVG, MAX, MIN = Partial("sum"), Partial("avg"), Partial("max"), Partial("mi
 SHAPE = (7, 5)  # over 4 ranks: 7 -> 2, 2, 2, 1; 5 -> 2, 2, 1, 0 (an empty shard)
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 class RsubTest(DTensorTestBase):
     def check(self, mesh: Any, layout: Sequence[Any], other_layout: Sequence[Any] | None, alpha: float) -> None:
-        """rsub(x, other, alpha) = other - alpha * x: values and gradients equal torch's."""
-        x_full, other_full = randn(*SHAPE), randn(*SHAPE, seed=1)
-        x = make_dtensor(x_full, mesh, layout, requires_grad=True)
-        x.retain_grad()
-        reference = x_full.clone().requires_grad_()
+        """rsub(x, other, alpha) = other - alpha * x: values and x's gradient equal torch's."""
+        x = randn(*SHAPE).requires_grad_()
         if other_layout is None:  # a Python scalar
-            out, expected = torch.rsub(x, 2.5, alpha=alpha), torch.rsub(reference, 2.5, alpha=alpha)
+            check_against_torch(lambda t: torch.rsub(t, 2.5, alpha=alpha), x, placements=[layout], mesh=mesh)
         else:
-            other = make_dtensor(other_full, mesh, other_layout)
-            out, expected = torch.rsub(x, other, alpha=alpha), torch.rsub(reference, other_full, alpha=alpha)
-        torch.testing.assert_close(out.full_tensor(), expected)
-        weight = randn(*SHAPE, seed=2)
-        (out.full_tensor() * weight).sum().backward()
-        (expected * weight).sum().backward()
-        assert x.grad is not None and reference.grad is not None
-        torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+            rsub = lambda t, other: torch.rsub(t, other, alpha=alpha)  # noqa: E731
+            check_against_torch(rsub, x, randn(*SHAPE, seed=1), placements=[layout, other_layout], mesh=mesh)
 
     @with_comms
     def test_rsub_on_every_layout(self) -> None:
