@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randint, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 aten = torch.ops.aten
@@ -24,8 +25,7 @@ REDUCTIONS = ["none", "sum", "mean"]
 pytestmark = pytest.mark.filterwarnings("ignore:reduction. .mean. divides the total loss:UserWarning")
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def logits_with_pos_weight(shape: tuple[int, ...]) -> list[torch.Tensor]:
 
 def class_targets(shape: tuple[int, ...]) -> list[torch.Tensor]:
     """Scores (N, C), one class per sample, and a class weight."""
-    target = torch.randint(0, shape[-1], shape[:-1], generator=torch.Generator().manual_seed(1))
+    target = seeded_randint(shape[-1], *shape[:-1], seed=1)
     return [randn(*shape), target, randn(shape[-1], seed=2).abs()]
 
 
@@ -114,22 +114,8 @@ class LossTest(DTensorTestBase):
             for f in fulls
         ]
         grads = [True, loss.target_grad] + [False] * (len(fulls) - 2)
-        leaves = [make_dtensor(f, mesh, p, requires_grad=g) for f, p, g in zip(fulls, layouts, grads)]
-        plain = [f.clone().requires_grad_(g) for f, g in zip(fulls, grads)]
-        for leaf, g in zip(leaves, grads):
-            if g:
-                leaf.retain_grad()
-        out = loss.fn(*leaves, reduction=reduction)
-        expected = loss.fn(*plain, reduction=reduction)
-        self.assertIsInstance(out, DTensor)
-        torch.testing.assert_close(out.full_tensor(), expected)
-        weight = randn(*expected.shape, seed=9)
-        (out.full_tensor() * weight).sum().backward()
-        (expected * weight).sum().backward()
-        for leaf, ref, g in zip(leaves, plain, grads):
-            if g:
-                assert leaf.grad is not None and ref.grad is not None
-                torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad)
+        inputs = [f.requires_grad_(g) for f, g in zip(fulls, grads)]
+        check_against_torch(functools.partial(loss.fn, reduction=reduction), *inputs, placements=layouts, mesh=mesh)
 
     @with_comms
     def test_every_loss_on_a_1d_mesh(self) -> None:
