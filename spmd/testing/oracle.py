@@ -39,6 +39,7 @@ def check_against_torch(
     collectives: int | None = None,
     atol: float | None = None,
     rtol: float | None = None,
+    equal_nan: bool = False,
 ) -> Any:
     """Assert that ``fn`` on DTensors equals ``fn`` on plain tensors, forward and backward.
 
@@ -46,7 +47,8 @@ def check_against_torch(
     omitted); give ``None`` for an input that is not a tensor (it is passed as it is). Inputs with
     ``requires_grad=True`` get their gradients compared, except those laid out with a max/min
     ``Partial`` (their pieces' gradients are not the plain tensor's). ``collectives``: the number of
-    collectives the DTensor forward must issue. Returns ``fn``'s result on the DTensors.
+    collectives the DTensor forward must issue. ``equal_nan``: NaNs in the same places count as
+    equal (inputs with NaNs). Returns ``fn``'s result on the DTensors.
 
     >>> x = seeded_randn(8, 6).requires_grad_()  # doctest: +SKIP
     >>> check_against_torch(torch.softmax, x, 1, placements=[[Shard(0)], None], mesh=mesh)  # doctest: +SKIP
@@ -70,7 +72,8 @@ def check_against_torch(
             f"({dict(comm.get_comm_counts())})"
         )
     actual_outputs, expected_outputs = _paired_outputs(actual, expected, where)
-    tolerances = {"atol": atol, "rtol": rtol} if atol is not None or rtol is not None else {}
+    tolerances: dict[str, Any] = {"atol": atol, "rtol": rtol} if atol is not None or rtol is not None else {}
+    tolerances["equal_nan"] = equal_nan
     for index, (out, ref) in enumerate(zip(actual_outputs, expected_outputs)):
         _assert_close(_full(out), ref, f"{where}: output {index} differs from plain torch", tolerances)
 
