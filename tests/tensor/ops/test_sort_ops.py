@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
-from spmd.testing.layouts import make_dtensor
+from spmd.testing import DTensorTestBase, check_against_torch, seeded_randn, with_comms
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
 SHAPE = (7, 6, 3)  # over 4 ranks: 7 rows -> 2, 2, 2, 1; 6 -> 2, 2, 2, 0 (an empty shard); 3 -> 1, 1, 1, 0
@@ -59,29 +58,13 @@ INPUTS = {"random": values, "ties": with_ties, "nans": with_nans}
 
 class SortTest(DTensorTestBase):
     def check(self, mesh: Any, name: str, data: str, placements: Sequence[Any]) -> None:
-        """Values, indices and the gradient equal torch's."""
-        fn = CASES[name]
-        full = INPUTS[data]()
-        x = make_dtensor(full, mesh, placements, requires_grad=True)
-        x.retain_grad()
-        reference = full.clone().requires_grad_()
-        got, expected = outputs_of(fn(x)), outputs_of(fn(reference))
-        self.assertEqual(len(got), len(expected))
-        loss, reference_loss = 0, 0
-        for i, (g, e) in enumerate(zip(got, expected)):
-            self.assertIsInstance(g, DTensor)
-            torch.testing.assert_close(g.full_tensor(), e.detach(), equal_nan=True)
-            self.assertEqual(g.placements, got[0].placements)  # values and indices alike
-            if e.requires_grad:
-                weight = seeded_randn(*e.shape, seed=10 + i, dtype=e.dtype)
-                loss = loss + (g.full_tensor().nan_to_num() * weight).sum()
-                reference_loss = reference_loss + (e.nan_to_num() * weight).sum()
-        if isinstance(loss, int):
-            return
-        loss.backward()
-        reference_loss.backward()
-        assert x.grad is not None and reference.grad is not None
-        torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+        """Values, indices and the gradient equal torch's; values and indices share one layout."""
+        out = check_against_torch(
+            CASES[name], INPUTS[data]().requires_grad_(), placements=[placements], mesh=mesh, equal_nan=True
+        )
+        outs = outputs_of(out)
+        for o in outs:
+            self.assertEqual(o.placements, outs[0].placements)
 
     @with_comms
     def test_every_op_on_a_1d_mesh(self) -> None:
