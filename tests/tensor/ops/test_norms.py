@@ -3,6 +3,7 @@ they update in place), keeping channel and batch shards where the statistics all
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,8 +20,7 @@ AVG = Partial("avg")
 N, C, L = 6, 4, 8  # over 4 ranks: 6 samples -> 2, 2, 2, 0 (an empty piece); 4 channels -> 1 each; 8 -> 2 each
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 def batch_norm_inputs() -> list[torch.Tensor]:

@@ -4,6 +4,8 @@ shards where each element is looked up or computed on its own."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -16,8 +18,7 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SUM, MAX = Partial("sum"), Partial("max")
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return seeded_randn(*shape, seed=seed, dtype=torch.float64)
+randn = functools.partial(seeded_randn, dtype=torch.float64)
 
 
 class SearchTest(DTensorTestBase):
