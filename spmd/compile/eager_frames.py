@@ -16,7 +16,6 @@ __all__ = ["keep_dynamo_out_of_dispatch"]
 def keep_dynamo_out_of_dispatch() -> None:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
-    from spmd.tensor.dtensor import DTensor
+    from spmd.compile.hooks import DISPATCH_CODE
 
-    dispatch_code = DTensor.__torch_dispatch__.__func__.__code__  # type: ignore[attr-defined]
-    set_code_exec_strategy(dispatch_code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    set_code_exec_strategy(DISPATCH_CODE[0], _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

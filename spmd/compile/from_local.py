@@ -8,14 +8,18 @@ AOTAutograd then traces through it, down to aten ops on the local shard. Importe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch._dynamo
 
 from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
+from spmd.compile.hooks import EAGER_FROM_LOCAL
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.dtensor import DTensor, from_local_eager
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from spmd.tensor.dtensor import DTensor
 
 __all__ = ["from_local_in_graph", "placement_code", "placement_from_code"]
 
@@ -78,7 +82,7 @@ def _from_local_call(
     stride: tuple[bool, tuple[int, ...]],
     rank: int,
 ) -> DTensor:
-    return from_local_eager(
+    return EAGER_FROM_LOCAL[0](
         local_tensor,
         device_mesh,
         tuple(placement_from_code(code) for code in placement_codes[1]) if placement_codes[0] else None,

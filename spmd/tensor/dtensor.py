@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from spmd.compile import hooks as compile_hooks
 from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
 from spmd.tensor.collectives import agree, broadcast_from
 from spmd.tensor.comm.threaded import thread_rank
@@ -489,3 +490,7 @@ def plain_tensors_allowed() -> bool:
     """Whether a plain tensor among DTensors may be read as replicated: inside ``implicit_replication()``,
     or inside backward, where autograd's own formulas make them alike on every rank."""
     return _implicit.enabled or torch._C._current_graph_task_id() != -1
+
+
+compile_hooks.EAGER_FROM_LOCAL[:] = [from_local_eager]
+compile_hooks.DISPATCH_CODE[:] = [DTensor.__torch_dispatch__.__func__.__code__]  # type: ignore[attr-defined]
