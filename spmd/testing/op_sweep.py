@@ -20,6 +20,7 @@ inside ``load_op_db``: importing this module (or ``spmd.testing``) never loads i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
@@ -665,18 +666,10 @@ def run_threaded_sweep(
     ``fallback`` turns the dispatcher's replicate fallback for ops without a rule on or off for the
     sweep (None keeps the current setting): off measures the rules alone.
     """
-    from spmd.tensor.dispatch import DISPATCHER
+    from spmd.tensor.dispatch import replicate_fallback
 
-    saved = DISPATCHER.fallback
-    if fallback is not None:
-        DISPATCHER.fallback = fallback
-        DISPATCHER.clear_cache()
-    try:
+    with replicate_fallback(fallback) if fallback is not None else contextlib.nullcontext():
         return _run_threaded_sweep(ops, lib or spmd_library(), collective_timeout, progress)
-    finally:
-        if fallback is not None:
-            DISPATCHER.fallback = saved
-            DISPATCHER.clear_cache()
 
 
 def _run_threaded_sweep(
