@@ -227,18 +227,9 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
-def apply_tp_and_dp(
-    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False, compiled: bool = False
-) -> GPT:
-    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``.
-
-    ``compiled``: the embedding stays replicated over tp, since the row-wise lookup checks the ids'
-    values (to raise IndexError as torch does), which a compiled graph cannot branch on yet.
-    """
-    plan = tp_plan(sequence_parallel=sequence_parallel)
-    if compiled:
-        del plan["tok_emb"]
-    parallelize_module(model, mesh, plan)
+def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False) -> GPT:
+    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``."""
+    parallelize_module(model, mesh, tp_plan(sequence_parallel=sequence_parallel))
     if fsdp:
         return apply_fsdp(model, mesh)
     replicate_over_dp(model, mesh)
@@ -282,7 +273,7 @@ def train(cfg: Config) -> list[float]:
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     is_rank_0 = mesh.get_rank() == 0
     model = apply_tp_and_dp(
-        build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp, compiled=bool(cfg.compile)
+        build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp
     )
     optimizer = make_optimizer(model, cfg)
     loss_fn = next_token_loss
