@@ -13,7 +13,7 @@ from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, i
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.ops.foreach import ListRule
 from spmd.tensor.ops.registry import REGISTRY
-from spmd.testing import DTensorTestBase, run_threaded, seeded_randn, with_comms
+from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -124,14 +124,17 @@ class ForeachTest(DTensorTestBase):
     def check_out_of_place(self, mesh: Any, name: str) -> None:
         count, fn = OUT_OF_PLACE[name]
         layouts = LAYOUTS[tuple(mesh.shape)]
-        fulls = [positive_list(10 * k) for k in range(count)]
-        lists = [distribute_list(f, mesh, layouts[role]) for f, role in zip(fulls, ["self", "other", "third"])]
-        out = fn(*lists)
-        expected = fn(*fulls)
-        self.assertEqual(len(out), len(expected))
-        for i, (o, e) in enumerate(zip(out, expected)):
-            assert isinstance(o, DTensor), f"{name}: output {i} is a {type(o).__name__}"
-            torch.testing.assert_close(o.full_tensor(), e, msg=lambda m, i=i: f"{name} output {i}: {m}")
+        roles = ["self", "other", "third"][:count]
+        tensors = [t for k in range(count) for t in positive_list(10 * k)]
+        placements = [layout for role in roles for layout in layouts[role]]
+        size = len(SHAPES)
+
+        def on_lists(*flat: torch.Tensor) -> Any:
+            """``fn`` with its tensor lists regrouped from the oracle's flat inputs."""
+            return fn(*(list(flat[k * size : (k + 1) * size]) for k in range(count)))
+
+        on_lists.__name__ = f"_foreach_{name}"
+        check_against_torch(on_lists, *tensors, placements=placements, mesh=mesh, backward=False)
 
     def check_in_place(self, mesh: Any, name: str) -> None:
         count, keeps_partials, fn = IN_PLACE[name]
