@@ -51,10 +51,6 @@ class Dispatcher:
         """
         return self._fallback
 
-    @fallback.setter
-    def fallback(self, enabled: bool) -> None:
-        self.set_fallback(enabled)
-
     def set_fallback(self, enabled: bool) -> None:
         self._fallback = enabled
         self.clear_cache()  # decisions made under the other setting no longer apply
