@@ -15,6 +15,9 @@ from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, normalize_placements
 
+PlacementList = Sequence[Placement]
+"""One placement per mesh dim."""
+
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand", "randn"]
 
 
@@ -29,7 +32,7 @@ def _resolve_placements(
 def distribute_tensor(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
+    placements: PlacementList | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
