@@ -22,6 +22,7 @@ __all__ = [
     "DECISION_CACHE_LIMIT",
     "UnwrappedCall",
     "unwrap_call",
+    "key_plain_call",
     "flatten_call",
     "unflatten_call",
     "mesh_mismatch_error",
@@ -159,6 +160,17 @@ def _scan(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
         else:
             key.append(a)
     return mesh
+
+
+def key_plain_call(head: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]] | None:
+    """The cache key and DTensor positions of a plain positional call (no kwargs; no list holding a
+    tensor; no plain tensor among the DTensors), keyed exactly as ``unwrap_call`` keys it; else None."""
+    key: list[Any] = [head]
+    positions: list[int] = []
+    mesh = _scan(head, args, key, positions)
+    if mesh is None or mesh is _FLATTEN or mesh is _PLAIN:
+        return None
+    return tuple(key), positions
 
 
 def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall | None:

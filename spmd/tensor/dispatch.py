@@ -16,8 +16,15 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from spmd.tensor import dtensor as dtensor_module
-from spmd.tensor.call_layout import DECISION_CACHE_LIMIT, UnwrappedCall, flatten_call, unflatten_call, unwrap_call
-from spmd.tensor.dtensor import DTensor, implicit_replication, plain_tensors_allowed
+from spmd.tensor.call_layout import (
+    DECISION_CACHE_LIMIT,
+    UnwrappedCall,
+    flatten_call,
+    key_plain_call,
+    unflatten_call,
+    unwrap_call,
+)
+from spmd.tensor.dtensor import DTensor, implicit_replication, plain_tensors_allowed, wrap_result
 from spmd.tensor.list_dispatch import dispatch_list
 from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
 from spmd.tensor.placement import Replicate, format_placements
@@ -61,12 +68,31 @@ class Dispatcher:
 
     # ----- the five steps ------------------------------------------------------------------------
     def dispatch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run aten ``op`` on DTensor arguments."""
+        """Run aten ``op`` on DTensor arguments: the common case in-line, else the five steps."""
         entry = self.registry.entry(op)
+        if not kwargs and not STATE.listening and not entry.inplace:
+            # A plain positional call whose cached decision is simple: key, look up, run, wrap.
+            keyed = key_plain_call(entry, args)
+            if keyed is not None:
+                try:
+                    decision = self.cache.get(keyed[0])
+                except TypeError:  # an unhashable argument: the steps decide it
+                    decision = None
+                if decision is not None and decision.simple:
+                    self.hits += 1
+                    local = list(args)
+                    for i in keyed[1]:
+                        local[i] = local[i]._local_tensor
+                    return wrap_result(entry.kernel(*local), decision.output_specs[0])  # type: ignore[arg-type]
+        return self.run_steps(entry, args, kwargs)
+
+    def run_steps(self, entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The five steps: unwrap and key, look up or decide, move inputs, run local, wrap."""
         if entry.out_variant is not None:
             return _dispatch_out(entry, args, kwargs)
         if entry.list_op:
             return dispatch_list(self, entry, args, kwargs)
+        op = entry.op
         call = unwrap_call(entry, args, kwargs) or self.unwrap_mixed(entry, args, kwargs)
         if entry.inplace:
             _refuse_write_into_copied_view(entry, call)
@@ -75,7 +101,7 @@ class Dispatcher:
             local = list(call.leaves)
             for i in call.positions:
                 local[i] = local[i]._local_tensor
-            return DTensor(entry.op(*local), decision.output_specs[0], requires_grad=False)  # type: ignore[arg-type]
+            return wrap_result(entry.kernel(*local), decision.output_specs[0])  # type: ignore[arg-type]
         if decision.decomposition is not None:  # the op runs as other DTensor ops (each dispatched here)
             if STATE.verbose:
                 log_decomposition(op, call.specs(), decision, hit)

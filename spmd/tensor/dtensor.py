@@ -49,21 +49,9 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
-        meta = spec.tensor_meta
         if local_tensor.requires_grad and not requires_grad:
             local_tensor = local_tensor.detach()
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            meta.shape,
-            strides=meta.stride,
-            dtype=meta.dtype,
-            device=local_tensor.device,
-            requires_grad=requires_grad,
-        )
-        r._local_tensor = local_tensor
-        r._spec = spec
-        r._copied_view = False
-        return r
+        return wrap_result(local_tensor, spec, cls=cls, requires_grad=requires_grad)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"DTensor(local_tensor={self._local_tensor}, spec={self._spec})"
@@ -494,3 +482,21 @@ def plain_tensors_allowed() -> bool:
 
 compile_hooks.EAGER_FROM_LOCAL[:] = [from_local_eager]
 compile_hooks.DISPATCH_CODE[:] = [DTensor.__torch_dispatch__.__func__.__code__]  # type: ignore[attr-defined]
+
+
+def wrap_result(
+    local_tensor: torch.Tensor, spec: DTensorSpec, *, cls: type[DTensor] = DTensor, requires_grad: bool = False
+) -> DTensor:
+    """``local_tensor`` as the shard of a DTensor of ``spec``.
+
+    The dispatcher calls this directly for a kernel's fresh result (it never requires grad:
+    autograd sits above ``__torch_dispatch__``), skipping the constructor's call protocol.
+    """
+    meta = spec.tensor_meta
+    r: DTensor = torch.Tensor._make_wrapper_subclass(
+        cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device, requires_grad=requires_grad
+    )
+    r._local_tensor = local_tensor
+    r._spec = spec
+    r._copied_view = False
+    return r

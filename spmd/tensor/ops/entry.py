@@ -24,6 +24,9 @@ class OpEntry:
     """One aten overload: its rule and hooks, and what its schema says (compared by identity)."""
 
     op: Any
+    kernel: Any
+    """What runs the op on local tensors: the overload's own C++ callable when torch exposes it (the
+    overload object's ``__call__`` only forwards to it), else the overload."""
     rule: Rule | None
     """Candidates per mesh dim (see registry.py); None: the op has no rule."""
     local_args: Any
@@ -62,6 +65,7 @@ class OpEntry:
         returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         return OpEntry(
             op=op,
+            kernel=getattr(op, "_op", op),
             rule=rule,
             local_args=local_args,
             local_impl=local_impl,
