@@ -22,7 +22,7 @@ __all__ = [
     "DECISION_CACHE_LIMIT",
     "UnwrappedCall",
     "unwrap_call",
-    "key_plain_call",
+    "scan_leaves",
     "flatten_call",
     "unflatten_call",
     "mesh_mismatch_error",
@@ -122,23 +122,28 @@ class UnwrappedCall:
         return list(self.kwargs) if self.shape else []
 
 
+_PLAIN_KINDS = (list, tuple, float, bool, complex, str)
+"""Leaf types that are never DTensors (skips an isinstance check)."""
 _FLATTEN = object()
-"""``_scan``'s answer when a list argument holds tensors: the call must be flattened first."""
+"""``scan_leaves``'s answer when a list argument holds tensors: the call must be flattened first."""
 _PLAIN = object()
-"""``_scan``'s answer when a plain (not 0-d) tensor sits among DTensors."""
+"""``scan_leaves``'s answer when a plain (not 0-d) tensor sits among DTensors."""
 
 
-def _scan(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
+def scan_leaves(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
     """Add each leaf's key part to ``key`` and each DTensor's index to ``positions``; the mesh.
+
+    Returns the DTensors' DeviceMesh for a plain call; None when no leaf is a DTensor; another
+    marker when a list leaf holds tensors (flatten first) or a plain tensor sits among DTensors.
 
     A list of ints (a reduction's dims, a view's sizes) keys as a tuple and stays one leaf.
     """
     mesh: Any = None
     for i, a in enumerate(leaves):
         kind = type(a)
-        if kind is int or a is None:  # the most common non-tensor leaves first
+        if kind is int or a is None:  # the most common leaves first
             key.append(a)
-        elif kind is DTensor or isinstance(a, DTensor):
+        elif kind is DTensor or (kind not in _PLAIN_KINDS and isinstance(a, DTensor)):
             spec = a._spec
             if mesh is None:
                 mesh = spec.mesh
@@ -146,13 +151,13 @@ def _scan(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
                 raise mesh_mismatch_error(getattr(head, "op", head), mesh, spec.mesh)
             positions.append(i)
             key.append(spec)
-        elif kind in AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
-            key.append((kind, a))
         elif kind is list or kind is tuple:
             for item in a:
                 if isinstance(item, torch.Tensor):
                     return _FLATTEN
             key.append(tuple(a))
+        elif kind in AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
+            key.append((kind, a))
         elif isinstance(a, torch.Tensor):
             if a.ndim != 0:  # rare: autograd formulas, implicit_replication()
                 return _PLAIN
@@ -160,17 +165,6 @@ def _scan(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
         else:
             key.append(a)
     return mesh
-
-
-def key_plain_call(head: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]] | None:
-    """The cache key and DTensor positions of a plain positional call (no kwargs; no list holding a
-    tensor; no plain tensor among the DTensors), keyed exactly as ``unwrap_call`` keys it; else None."""
-    key: list[Any] = [head]
-    positions: list[int] = []
-    mesh = _scan(head, args, key, positions)
-    if mesh is None or mesh is _FLATTEN or mesh is _PLAIN:
-        return None
-    return tuple(key), positions
 
 
 def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall | None:
@@ -181,7 +175,7 @@ def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Unw
     key: list[Any] = [head]
     positions: list[int] = []
     if not kwargs:
-        mesh = _scan(head, args, key, positions)
+        mesh = scan_leaves(head, args, key, positions)
         if mesh is _PLAIN:
             return None
         if mesh is not _FLATTEN and mesh is not None:
@@ -189,7 +183,7 @@ def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Unw
         key, positions = [head], []
     leaves, shape = flatten_call(args, kwargs)
     key.append(shape)
-    mesh = _scan(head, leaves, key, positions)
+    mesh = scan_leaves(head, leaves, key, positions)
     if mesh is _PLAIN:
         return None
     if mesh is None:

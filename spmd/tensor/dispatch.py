@@ -20,10 +20,11 @@ from spmd.tensor.call_layout import (
     DECISION_CACHE_LIMIT,
     UnwrappedCall,
     flatten_call,
-    key_plain_call,
+    scan_leaves,
     unflatten_call,
     unwrap_call,
 )
+from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor, implicit_replication, plain_tensors_allowed, wrap_result
 from spmd.tensor.list_dispatch import dispatch_list
 from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
@@ -72,16 +73,17 @@ class Dispatcher:
         entry = self.registry.entry(op)
         if not kwargs and not STATE.listening and not entry.inplace:
             # A plain positional call whose cached decision is simple: key, look up, run, wrap.
-            keyed = key_plain_call(entry, args)
-            if keyed is not None:
+            key: list[Any] = [entry]
+            positions: list[int] = []
+            if isinstance(scan_leaves(entry, args, key, positions), DeviceMesh):
                 try:
-                    decision = self.cache.get(keyed[0])
+                    decision = self.cache.get(tuple(key))
                 except TypeError:  # an unhashable argument: the steps decide it
                     decision = None
                 if decision is not None and decision.simple:
                     self.hits += 1
                     local = list(args)
-                    for i in keyed[1]:
+                    for i in positions:
                         local[i] = local[i]._local_tensor
                     return wrap_result(entry.kernel(*local), decision.output_specs[0])  # type: ignore[arg-type]
         return self.run_steps(entry, args, kwargs)

@@ -493,9 +493,15 @@ def wrap_result(
     autograd sits above ``__torch_dispatch__``), skipping the constructor's call protocol.
     """
     meta = spec.tensor_meta
-    r: DTensor = torch.Tensor._make_wrapper_subclass(
-        cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device, requires_grad=requires_grad
-    )
+    r: DTensor
+    if meta.contiguous:  # the default strides: not passing them saves parsing them
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, dtype=meta.dtype, device=local_tensor.device, requires_grad=requires_grad
+        )
+    else:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device, requires_grad=requires_grad
+        )
     r._local_tensor = local_tensor
     r._spec = spec
     r._copied_view = False

@@ -27,6 +27,13 @@ class TensorMeta:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    contiguous: bool = field(init=False, repr=False, compare=False)
+    """``stride`` is the default (row-major) one, so a wrapper tensor need not be given it."""
+
+    def __post_init__(self) -> None:
+        # Sizes may be symbols while torch.compile traces (a value-dependent shape): no comparing then.
+        plain = all(type(size) is int for size in self.shape)
+        object.__setattr__(self, "contiguous", plain and tuple(self.stride) == contiguous_strides(self.shape))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return TensorMeta, (self.shape, self.stride, self.dtype)
