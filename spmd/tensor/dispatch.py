@@ -46,8 +46,8 @@ class Dispatcher:
         self.cache: dict[Any, Decision] = {}
         self.list_cache: dict[Any, tuple[Decision, tuple[int, ...]]] = {}
         """List-op decisions, with the inputs each writes back after the kernel."""
-        self.hits = 0
         self.misses = 0
+        """Decisions made so far (cache misses): a steady training loop stops adding to it."""
         self._fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
         REGISTRY.add_listener(self.clear_cache)
 
@@ -81,7 +81,6 @@ class Dispatcher:
                 except TypeError:  # an unhashable argument: the steps decide it
                     decision = None
                 if decision is not None and decision.simple:
-                    self.hits += 1
                     local = list(args)
                     for i in positions:
                         local[i] = local[i]._local_tensor
@@ -129,7 +128,6 @@ class Dispatcher:
             self.misses += 1
             return self._decide(entry, call), False
         if decision is not None:
-            self.hits += 1
             return decision, True
         self.misses += 1
         decision = self._decide(entry, call)

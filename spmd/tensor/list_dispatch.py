@@ -140,8 +140,6 @@ def dispatch_list(dispatcher: Dispatcher, entry: OpEntry, args: tuple[Any, ...],
         if len(dispatcher.list_cache) >= DECISION_CACHE_LIMIT:
             dispatcher.list_cache.clear()
         dispatcher.list_cache[key] = cached
-    else:
-        dispatcher.hits += 1
     decision, write_back = cached
     if decision.decomposition is not None:  # the list op runs as other list ops (each dispatched here)
         if STATE.verbose:
