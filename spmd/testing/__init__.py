@@ -4,9 +4,11 @@ from spmd.tensor.comm import CollectiveAbortedError, CollectiveTimeoutError, run
 from spmd.testing.common_dtensor import DTensorTestBase, run_subtests, with_comms
 from spmd.testing.multiprocess import RankFailed, run_multiprocess
 from spmd.testing.oracle import assert_same_grads, assert_same_params, check_against_torch
+from spmd.testing.scripts import load_script
 from spmd.testing.seeded import seeded_module, seeded_randint, seeded_randn
 
 __all__ = [
+    "load_script",
     "run_threaded",
     "DTensorTestBase",
     "with_comms",

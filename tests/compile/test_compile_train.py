@@ -3,29 +3,17 @@ compiled (fullgraph): the same losses as eager, step by step, on a (dp=2, tp=2) 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-from spmd.testing import run_threaded
+from spmd.testing import load_script, run_threaded
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
 
 
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_transformer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _load_example()
+demo = load_script(EXAMPLE)
 TINY = demo.Config(steps=5, n_layers=1, d_model=32, seq_len=8, batch_size=4)
 
 

@@ -6,35 +6,24 @@ optimizer; the multi-process one runs the demo's command line under torchrun on 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import run_threaded
+from spmd.testing import load_script, run_threaded
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
 TORCHRUN_TIMEOUT_S = 120
 
 
-def _load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_transformer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _load_example()
+demo = load_script(EXAMPLE)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
