@@ -98,11 +98,6 @@ class Dispatcher:
         if entry.inplace:
             _refuse_write_into_copied_view(entry, call)
         decision, hit = self.decision_for(entry, call)
-        if decision.simple and not STATE.listening:  # steps 3-5 of the common case, in-line
-            local = list(call.leaves)
-            for i in call.positions:
-                local[i] = local[i]._local_tensor
-            return wrap_result(entry.kernel(*local), decision.output_specs[0])  # type: ignore[arg-type]
         if decision.decomposition is not None:  # the op runs as other DTensor ops (each dispatched here)
             if STATE.verbose:
                 log_decomposition(op, call.specs(), decision, hit)
