@@ -156,6 +156,8 @@ def scan_leaves(head: Any, leaves: Any, key: list[Any], positions: list[int]) ->
                 if isinstance(item, torch.Tensor):
                     return _FLATTEN
             key.append(tuple(a))
+        elif kind is float and not head.float_values_matter:
+            key.append(float)
         elif kind in AMBIGUOUS_KEYS:  # 1, 1.0 and True hash alike but promote differently
             key.append((kind, a))
         elif isinstance(a, torch.Tensor):

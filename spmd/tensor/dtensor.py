@@ -19,6 +19,7 @@ import torch
 
 from spmd.compile import hooks as compile_hooks
 from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
+from spmd.compile.cache_key import stable_cache_key
 from spmd.tensor.collectives import agree, broadcast_from
 from spmd.tensor.comm.threaded import thread_rank
 from spmd.tensor.device_mesh import DeviceMesh
@@ -86,6 +87,10 @@ class DTensor(torch.Tensor):
             _keep_dynamo_out_of_dispatch()
         return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank())
 
+    def _stable_hash_for_caching(self) -> str:
+        """The key torch.compile's on-disk caches file this input under (spmd/compile/cache_key.py)."""
+        return stable_cache_key(self._spec, self._local_tensor, self.requires_grad)
+
     @staticmethod
     def __tensor_unflatten__(
         inner_tensors: dict[str, torch.Tensor],
@@ -99,7 +104,10 @@ class DTensor(torch.Tensor):
             spec = DTensorSpec(
                 spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
             )
-        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        local = inner_tensors["_local_tensor"]
+        if local.requires_grad and not requires_grad:
+            local = local.detach()
+        return wrap_result(local, spec, requires_grad=requires_grad)
 
     @classmethod
     def __metadata_guard__(

@@ -80,9 +80,29 @@ class DTensorSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not DTensorSpec:
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.placements == other.placements
+            and self.tensor_meta == other.tensor_meta
+            and self.mesh == other.mesh
+        )
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Through the constructor: the hash depends on the mesh's world, which is the loader's.
         return DTensorSpec, (self.mesh, self.placements, self.tensor_meta)
+
+    # An immutable value: copies are the value itself. torch.compile deep-copies a DTensor's spec into
+    # its guard, so the guard on a steady loop's input compares one object with itself.
+    def __copy__(self) -> DTensorSpec:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensorSpec:
+        return self
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -158,3 +158,23 @@ def test_each_rank_thread_gets_its_own_graph() -> None:
     first, second = run_threaded(rank, 2)
     torch.testing.assert_close(first, full[:2])
     torch.testing.assert_close(second, full[2:])
+
+
+def test_the_on_disk_cache_key_holds_layout_coordinate_and_groups() -> None:
+    """torch.compile's caches may hand a graph to a later process: equal keys mean the same spec,
+    the same mesh coordinate, and group handles that name groups of the same ranks."""
+    full = seeded_randn(4, 4)
+
+    def keys():
+        mesh = init_device_mesh("cpu", (2,))
+        rows = distribute_tensor(full, mesh, [Shard(0)])
+        return (
+            rows._stable_hash_for_caching(),
+            distribute_tensor(full, mesh, [Shard(0)])._stable_hash_for_caching(),
+            distribute_tensor(full, mesh, [Replicate()])._stable_hash_for_caching(),
+            distribute_tensor(full, mesh, [Shard(1)])._stable_hash_for_caching(),
+        )
+
+    (rank0, again, replicated, columns), (rank1, *_) = run_threaded(keys, 2)
+    assert rank0 == again
+    assert len({rank0, replicated, columns, rank1}) == 4

@@ -147,6 +147,18 @@ class DispatchTest(DTensorTestBase):
         self.assertEqual(DISPATCHER.misses, misses)
 
     @with_comms
+    def test_a_float_operand_keys_elementwise_ops_by_type_not_value(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        x.mul(0.5).add_(1.5)  # warm up
+        x.full_tensor()
+        misses = DISPATCHER.misses
+        results = [x.mul(scale).add_(scale) for scale in (0.25, 2.0, -3.0)]
+        self.assertEqual(DISPATCHER.misses, misses)
+        for scale, result in zip((0.25, 2.0, -3.0), results):
+            torch.testing.assert_close(result.full_tensor(), x.full_tensor() * scale + scale)
+
+    @with_comms
     def test_scalar_type_is_part_of_the_cache_key(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
         x = distribute_tensor(torch.arange(8), mesh, [Shard(0)])

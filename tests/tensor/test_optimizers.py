@@ -249,12 +249,16 @@ class ClipGradNormTest(DTensorTestBase):
 class OptimizerDispatchTest(DTensorTestBase):
     @with_comms
     def test_changing_learning_rate_keeps_hitting_the_decision_cache(self) -> None:
-        """A scheduler changes lr (and Adam its bias corrections) every step; no step re-decides."""
+        """A scheduler changes lr (and Adam its bias corrections) every step; no step re-decides.
+
+        The for-loop implementation (CPU's default) passes them as Python floats
+        (``addcdiv_(..., value=-step_size)``): elementwise ops key floats by type, not value.
+        """
         from spmd.tensor.dispatch import DISPATCHER
 
         mesh = init_device_mesh("cpu", (4,))
         barrier = distribute_tensor(torch.zeros(4), mesh, [S0])
-        for implementation in ("foreach", "fused"):
+        for implementation in ("for-loop", "foreach", "fused"):
             model = distribute_params(Params(), mesh, LAYOUTS_1D)
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, **IMPLEMENTATIONS[implementation])
             misses = []

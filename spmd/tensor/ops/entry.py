@@ -49,6 +49,10 @@ class OpEntry:
     """Takes the list path (``_foreach_*``, fused optimizers)."""
     no_fallback: str | None
     """Why running on replicated inputs would be wrong for this op, or None when it is safe."""
+    float_values_matter: bool = True
+    """Whether a Python float argument's value can change the decision. Elementwise rules read only
+    that a scalar is there, so their calls key floats by type: AdamW's ``addcdiv_(..., value=-lr / bias
+    correction)`` changes its float every step and would otherwise decide again every step."""
 
     @staticmethod
     def of(
@@ -58,6 +62,7 @@ class OpEntry:
         local_args: Any = None,
         local_impl: Any = None,
         decompose: Any = None,
+        float_values_matter: bool = True,
     ) -> OpEntry:
         schema = op._schema
         name: str = schema.name
@@ -77,6 +82,7 @@ class OpEntry:
             out_variant=functional_variant(op),
             list_op=callable(getattr(rule, "element_calls", None)) or name.startswith("aten::_foreach_"),
             no_fallback=_fallback_refusal(op, inplace, returns_view),
+            float_values_matter=float_values_matter,
         )
 
     @property

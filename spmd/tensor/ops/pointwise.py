@@ -83,19 +83,21 @@ def _packets(names: Sequence[str], *, modes: bool = True) -> list[object]:
     aten.div.Scalar_mode,
     aten.div_.Tensor_mode,
     aten.div_.Scalar_mode,
+    "prims::fma.default",  # inductor's decomposition of lerp (a compiled AdamW)
+    float_values_matter=False,
 )
 def nonlinear_rule(call: OpCall) -> Sequence[OpStrategy]:
     """f(S(d), ...) -> S(d): partial inputs are reduced before the op."""
     return pointwise_candidates(call)
 
 
-@register_rule(*_packets(["add", "sub", "rsub"]))
+@register_rule(*_packets(["add", "sub", "rsub"]), float_values_matter=False)
 def additive_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) x S(d) -> S(d); P(sum) x P(sum) -> P(sum)."""
     return pointwise_candidates(call, linearity="additive")
 
 
-@register_rule(*_packets(["mul"]))
+@register_rule(*_packets(["mul"]), float_values_matter=False)
 def mul_rule(call: OpCall) -> Sequence[OpStrategy]:
     """S(d) x S(d) -> S(d); P x R -> P; R x P -> P; P x scalar -> P."""
     candidates = pointwise_candidates(call, linearity="multiplicative")
@@ -105,14 +107,15 @@ def mul_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 
 @register_rule(
-    *_packets(["div", "threshold_backward", "silu_backward", "hardshrink_backward", "softshrink_backward"], modes=False)
+    *_packets(["div", "threshold_backward", "silu_backward", "hardshrink_backward", "softshrink_backward"], modes=False),
+    float_values_matter=False,
 )
 def linear_in_first_rule(call: OpCall) -> Sequence[OpStrategy]:
     """P x R -> P: linear in the first operand (the numerator, or the incoming gradient)."""
     return pointwise_candidates(call, linearity="multiplicative")
 
 
-@register_rule(*_packets(["neg"]))
+@register_rule(*_packets(["neg"]), float_values_matter=False)
 def neg_rule(call: OpCall) -> Sequence[OpStrategy]:
     """-(P) -> P."""
     return pointwise_candidates(call, linearity="unary")
@@ -136,7 +139,7 @@ def log_sigmoid_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     return [OpStrategy((c.inputs[0], c.inputs[1], R), c.outputs) for c in candidates]
 
 
-@register_rule(*_packets(["fill"]))
+@register_rule(*_packets(["fill"]), float_values_matter=False)
 def fill_rule(call: OpCall) -> Sequence[OpStrategy]:
     """fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> P (v on every rank); a DTensor v is R."""
     ndim = call.input_specs[0].ndim

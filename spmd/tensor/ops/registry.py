@@ -103,6 +103,9 @@ class OpRegistry:
         """id(op) -> entry: ``OpOverload.__hash__`` is Python code, an int's hash is not; the entry
         keeps its op alive, so the id stays its own."""
         self._listeners: list[Callable[[], None]] = []
+        self._by_name: dict[str, Callable[[Any], OpEntry]] = {}
+        """``"prims::fma.default"`` -> how to make its entry: ops of libraries that may load after
+        spmd (inductor's prims appear in compiled graphs' decompositions) get their rule on first use."""
         self.version = 0
 
     def register(
@@ -111,20 +114,37 @@ class OpRegistry:
         local_args: LocalArgs | None = None,
         local_impl: LocalImpl | None = None,
         decompose: Decomposition | None = None,
+        float_values_matter: bool = True,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload.
+
+        An op may also be named as ``"namespace::name.overload"``, for ops whose library may not be
+        loaded yet: the entry is made when the op is first dispatched.
 
         ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand);
         ``local_impl`` for ops whose local result is not the op applied to the shards (random ops);
         ``decompose`` for ops that, on some layouts, are better run as other DTensor ops.
+        ``float_values_matter=False`` for rules that never read a Python float's value (elementwise
+        rules): their calls then share one decision whatever the float.
         """
 
         def decorate(rule: Rule) -> Rule:
+            def make(overload: Any) -> OpEntry:
+                return OpEntry.of(
+                    overload,
+                    rule,
+                    local_args=local_args,
+                    local_impl=local_impl,
+                    decompose=decompose,
+                    float_values_matter=float_values_matter,
+                )
+
             for op in ops:
+                if isinstance(op, str):
+                    self._by_name[op] = make
+                    continue
                 for overload in _overloads(op):
-                    self._entries[id(overload)] = OpEntry.of(
-                        overload, rule, local_args=local_args, local_impl=local_impl, decompose=decompose
-                    )
+                    self._entries[id(overload)] = make(overload)
             self._changed()
             return rule
 
@@ -134,7 +154,8 @@ class OpRegistry:
         """The entry of ``op``: registered, or made now from its schema (no rule)."""
         entry = self._entries.get(id(op))
         if entry is None:
-            entry = self._entries.setdefault(id(op), OpEntry.of(op))
+            make = self._by_name.get(f"{op._schema.name}.{op._overloadname}", OpEntry.of)
+            entry = self._entries.setdefault(id(op), make(op))
         return entry
 
     def rule_for(self, op: Any) -> Rule | None:
