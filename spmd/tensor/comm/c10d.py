@@ -29,11 +29,21 @@ from spmd.tensor.comm.base import CollectiveAbortedError, CollectiveTimeoutError
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
-# torch 2.13 renamed the tensor collectives; older releases only have the first names.
-_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_functional = torch.ops._c10d_functional
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _issue_and_wait(collective: Any, *args: Any) -> torch.Tensor:
+    """One of c10d's functional collectives (C++ from the call to the wait), waited for at once.
+
+    They cost less per call than ``dist.all_reduce`` and friends, whose Python wrappers check and
+    log on every call; the backend and the groups are the same.
+    """
+    return _functional.wait_tensor(collective(*args))
 
 
 def _reduce_op(reduce_op: str, backend: str) -> tuple[Any, bool]:
@@ -101,7 +111,15 @@ def _default_group_timeout_s(device_type: str) -> float | None:
 
 
 class C10dCommunicator(Communicator):
-    """Collectives over a c10d process group holding ``ranks``."""
+    """Collectives over a c10d process group holding ``ranks``.
+
+    all_gather, all_reduce, reduce_scatter and all_to_all call c10d's functional collectives
+    directly instead of going through the ``spmd::`` ops: torch.compile knows those ops, so a
+    compiled graph holds them as it holds torch's own (inductor writes them in place and schedules
+    their waits), and an eager call skips a Python kernel. Their traffic is recorded when the call
+    is made: in eager code on every call, in compiled code while the graph is traced.
+    broadcast and scatter (set-up time only) still go through the ``spmd::`` ops.
+    """
 
     def __init__(self, ranks: tuple[int, ...], group: Any, *, timeout_s: float | None = None) -> None:
         super().__init__(ranks, timeout_s=timeout_s)
@@ -109,6 +127,7 @@ class C10dCommunicator(Communicator):
         self.backend = dist.get_backend(group)
         self._local_rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
         self._native_reduce_scatter = True
+        self._group_name: str = getattr(group, "group_name", "")
 
     @property
     def local_rank(self) -> int:
@@ -153,16 +172,36 @@ class C10dCommunicator(Communicator):
             return tensor.div_(self.size)
         return torch.div(tensor, self.size, rounding_mode="floor")
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check("all_gather", tensor, "")
+        self._record("all_gather", _nbytes(tensor) * self.size)
+        return self._all_gather(tensor.contiguous())
+
+    def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        self._check("all_reduce", tensor, reduce_op)
+        self._record("all_reduce", _nbytes(tensor))
+        return self._all_reduce(tensor.contiguous(), reduce_op)
+
+    def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        self._check("reduce_scatter", stacked, reduce_op)
+        self._record("reduce_scatter", _nbytes(stacked))
+        return self._reduce_scatter(stacked.contiguous(), reduce_op)
+
+    def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
+        self._check("all_to_all", stacked, "")
+        self._record("all_to_all", _nbytes(stacked))
+        return self._all_to_all(stacked.contiguous())
+
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         # gloo checks each output chunk against the input's shape, so gather flat and view.
-        out = tensor.new_empty((self.size * tensor.numel(),))
-        self._run("all_gather", _all_gather_tensor, out, tensor.reshape(-1), group=self.group)
+        gather = _functional.all_gather_into_tensor
+        out = self._run("all_gather", _issue_and_wait, gather, tensor.reshape(-1), self.size, self._group_name)
         return out.view(self.size, *tensor.shape)
 
     def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        op, divide = _reduce_op(reduce_op, self.backend)
-        out = tensor.clone()
-        self._run("all_reduce", dist.all_reduce, out, op=op, group=self.group)
+        _, divide = _reduce_op(reduce_op, self.backend)
+        name = "sum" if divide else reduce_op
+        out = self._run("all_reduce", _issue_and_wait, _functional.all_reduce, tensor, name, self._group_name)
         return self._finish_avg(out, divide)
 
     def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -173,9 +212,10 @@ class C10dCommunicator(Communicator):
             self._run("reduce_scatter", dist.all_reduce, reduced, op=op, group=self.group)
             return self._finish_avg(reduced[self.local_rank].clone(), divide)
         block = stacked.shape[1:]
-        out = stacked.new_empty((stacked[0].numel(),))
+        name = "sum" if divide else reduce_op
+        scatter = _functional.reduce_scatter_tensor
         try:
-            _reduce_scatter_tensor(out, stacked.reshape(-1), op=op, group=self.group)
+            out = _issue_and_wait(scatter, stacked.reshape(-1), name, self.size, self._group_name)
         except RuntimeError as error:
             # The backend refuses before sending anything, on every rank alike, so falling back is safe.
             if "support" not in str(error).lower():
@@ -185,9 +225,10 @@ class C10dCommunicator(Communicator):
         return self._finish_avg(out.view(block), divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(stacked)
-        self._run("all_to_all", dist.all_to_all_single, out, stacked, group=self.group)
-        return out
+        splits = [1] * self.size  # one block per member
+        return self._run(
+            "all_to_all", _issue_and_wait, _functional.all_to_all_single, stacked, splits, splits, self._group_name
+        )
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         out = tensor.clone()
