@@ -16,6 +16,7 @@ forward and backward only and reduce-scatters the gradients). The loss is comput
     python examples/train_transformer.py --steps 10 --save ckpt/step-10          # a DCP checkpoint
     python examples/train_transformer.py --steps 20 --resume ckpt/step-10 --dp 1 --tp 4 --check  # any mesh
     python examples/train_transformer.py --compile inductor --check  # forward + backward under torch.compile
+    python examples/train_transformer.py --compile --fsdp --check    # each block compiled, fully_shard's hooks eager
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
 Under torchrun (detected by the RANK env var) the ranks are processes talking over gloo;
@@ -263,6 +264,24 @@ def train_step(
     return float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
 
 
+def compile_model(model: GPT, cfg: Config, world_size: int) -> Any:
+    """Compile with ``cfg.compile``'s backend; the loss function to train with.
+
+    Without fully_shard: forward + loss in one graph (and their backward). With it, each block's
+    forward is compiled and fully_shard's hooks (which gather and free parameters around it) run
+    eagerly outside, as torchtitan does; embeddings, final norm, head and loss stay eager.
+    """
+    # Each rank thread compiles its own graphs (they bake in its shard): allow that many per
+    # function (torch's default limit is 8); the blocks share one code object.
+    limit = 2 * world_size * (cfg.n_layers if cfg.fsdp else 1)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    if not cfg.fsdp:
+        return torch.compile(next_token_loss, backend=cfg.compile, fullgraph=True)
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=cfg.compile, fullgraph=True)  # type: ignore[method-assign]
+    return next_token_loss
+
+
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     # foreach=False: torch's default on CPU, spelled out so that every run takes the same per-parameter path
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=False)
@@ -276,12 +295,7 @@ def train(cfg: Config) -> list[float]:
         build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp
     )
     optimizer = make_optimizer(model, cfg)
-    loss_fn = next_token_loss
-    if cfg.compile:
-        # Each rank thread compiles its own graphs (they bake in its shard): allow that many per
-        # function (torch's default limit is 8).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * mesh.size())
-        loss_fn = torch.compile(next_token_loss, backend=cfg.compile, fullgraph=True)
+    loss_fn = compile_model(model, cfg, mesh.size()) if cfg.compile else next_token_loss
 
     def place(batch: torch.Tensor) -> DTensor:
         # Every rank can build the global batch here; src_data_rank=None keeps its own dp slice, no traffic.
@@ -463,11 +477,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
         nargs="?",
         const="inductor",
         choices=("inductor", "aot_eager", "eager"),
-        help="run forward + loss (and their backward) under torch.compile(fullgraph=True); default backend inductor",
+        help="run forward + loss (and their backward) under torch.compile(fullgraph=True), with --fsdp each "
+        "block's forward; default backend inductor",
     )
     args = parser.parse_args(argv)
-    if args.compile and args.fsdp:
-        parser.error("--compile does not support --fsdp yet (fully_shard's hooks do not trace); drop one of them")
     cfg = Config(
         steps=args.steps,
         dp=args.dp,

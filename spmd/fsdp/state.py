@@ -127,7 +127,10 @@ class _Freed:
                 if nbytes:
                     local = full.to_local()
                     _resize(local.untyped_storage(), nbytes)
-                    local.copy_(fresh[key].to_local())
+                    # The same values as before the free: a compiled backward saved this very tensor
+                    # (not its DTensor) and checks that its version did not move.
+                    with torch.autograd._unsafe_preserve_version_counter(local):
+                        local.copy_(fresh[key].to_local())
 
 
 def _free(full: DTensor) -> int:
