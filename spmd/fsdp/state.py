@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.fsdp.flat import FlatGroup, flat_groups
@@ -129,7 +130,7 @@ class _Freed:
                     _resize(local.untyped_storage(), nbytes)
                     # The same values as before the free: a compiled backward saved this very tensor
                     # (not its DTensor) and checks that its version did not move.
-                    with torch.autograd._unsafe_preserve_version_counter(local):
+                    with _unsafe_preserve_version_counter(local):
                         local.copy_(fresh[key].to_local())
 
 
