@@ -204,14 +204,18 @@ class Communicator(ABC):
     def _check(self, kind: str, tensor: torch.Tensor, detail: str) -> None:
         """Run the collective check, if one is installed, before an eager collective.
 
-        Compiled code skips it (torch.compile holds the ``spmd::`` op, not this call); the check is
+        Compiled code skips it (a compiled graph holds the collective op, not this call); the check is
         itself a collective, so do not combine it with compiling on rank threads.
         """
         if _collective_check is not None and not torch.compiler.is_compiling():
             _collective_check(self, kind, tensor, detail)
 
-    def _record(self, kind: str, tensor_bytes: int) -> None:
+    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        """Tell the observers (CommDebugMode) of collective ``kind`` on ``tensor``, the input one member gives."""
         if _observers:
+            tensor_bytes = tensor.numel() * tensor.element_size()
+            if kind == "all_gather":  # counted as the gathered result
+                tensor_bytes *= self.size
             record = CollectiveRecord(kind, self.size, tensor_bytes, self.ranks, self.ranks[self.local_rank])
             for observer in _observers:
                 observer(record)

@@ -33,10 +33,6 @@ _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
 _functional = torch.ops._c10d_functional
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _issue_and_wait(collective: Any, *args: Any) -> torch.Tensor:
     """One of c10d's functional collectives (C++ from the call to the wait), waited for at once.
 
@@ -174,22 +170,22 @@ class C10dCommunicator(Communicator):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check("all_gather", tensor, "")
-        self._record("all_gather", _nbytes(tensor) * self.size)
+        self._record("all_gather", tensor)
         return self._all_gather(tensor.contiguous())
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         self._check("all_reduce", tensor, reduce_op)
-        self._record("all_reduce", _nbytes(tensor))
+        self._record("all_reduce", tensor)
         return self._all_reduce(tensor.contiguous(), reduce_op)
 
     def reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         self._check("reduce_scatter", stacked, reduce_op)
-        self._record("reduce_scatter", _nbytes(stacked))
+        self._record("reduce_scatter", stacked)
         return self._reduce_scatter(stacked.contiguous(), reduce_op)
 
     def all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         self._check("all_to_all", stacked, "")
-        self._record("all_to_all", _nbytes(stacked))
+        self._record("all_to_all", stacked)
         return self._all_to_all(stacked.contiguous())
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

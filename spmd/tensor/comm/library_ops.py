@@ -72,43 +72,39 @@ for _schema in _SCHEMAS.values():
 
 
 # ----- what runs: the traffic record, then the group's backend -----------------------------------
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _all_gather(tensor: torch.Tensor, group: int, group_size: int) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("all_gather", _nbytes(tensor) * comm.size)
+    comm._record("all_gather", tensor)
     return comm._all_gather(tensor)
 
 
 def _all_reduce(tensor: torch.Tensor, group: int, reduce_op: str) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("all_reduce", _nbytes(tensor))
+    comm._record("all_reduce", tensor)
     return comm._all_reduce(tensor, reduce_op)
 
 
 def _reduce_scatter(stacked: torch.Tensor, group: int, reduce_op: str) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("reduce_scatter", _nbytes(stacked))
+    comm._record("reduce_scatter", stacked)
     return comm._reduce_scatter(stacked, reduce_op)
 
 
 def _all_to_all(stacked: torch.Tensor, group: int) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("all_to_all", _nbytes(stacked))
+    comm._record("all_to_all", stacked)
     return comm._all_to_all(stacked)
 
 
 def _broadcast(tensor: torch.Tensor, group: int, src: int) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("broadcast", _nbytes(tensor))
+    comm._record("broadcast", tensor)
     return comm._broadcast(tensor, src)
 
 
 def _scatter(stacked: torch.Tensor, group: int, src: int) -> torch.Tensor:
     comm = communicator_for(group)
-    comm._record("scatter", _nbytes(stacked))
+    comm._record("scatter", stacked)
     return comm._scatter(stacked, src)
 
 
