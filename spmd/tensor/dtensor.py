@@ -115,11 +115,11 @@ class DTensor(torch.Tensor):
     ) -> bool:
         """torch.compile's check that a DTensor input still matches the graph it was traced for.
 
-        Dynamo names a failed check only by an opaque id, so a mismatch is also logged on the
-        ``spmd.compile`` logger (``logging.getLogger("spmd.compile").setLevel(logging.INFO)``),
-        saying what differs: the spec (placements, shape, stride, dtype, mesh), requires_grad or rank.
-        Dynamo may check one input against several graphs (and again to explain a recompile), so
-        one recompile can log more than one line.
+        A mismatch raises instead of returning False: Dynamo counts the guard as failed either way,
+        and when it explains a recompile (``TORCH_LOGS=recompiles``) it prints the exception, which
+        says what differs: the spec (placements, shape, stride, dtype, mesh), requires_grad or rank.
+        The text is built only when printed; a rank thread checking another rank's graph pays for
+        one exception object. The ``spmd.compile`` logger (at INFO) also gets a line per mismatch.
         """
         if expected == actual:
             return True
@@ -127,7 +127,7 @@ class DTensor(torch.Tensor):
             _COMPILE_LOGGER.info(
                 "DTensor input differs from a compiled graph's: %s", _describe_change(expected, actual)
             )
-        return False
+        raise CompiledInputMismatch(expected, actual)
 
     def __coerce_tangent_metadata__(self) -> DTensor:
         """A gradient flowing into a compiled backward is never Partial: reduce it first."""
@@ -303,6 +303,17 @@ class DataDependentShapeError(NotImplementedError):
 
 
 _COMPILE_LOGGER = logging.getLogger("spmd.compile")
+
+
+class CompiledInputMismatch(Exception):
+    """A DTensor input's flatten context differs from the one a compiled graph was traced for."""
+
+    def __init__(self, expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]):
+        super().__init__()
+        self.expected, self.actual = expected, actual
+
+    def __str__(self) -> str:
+        return f"DTensor input differs from the compiled graph's: {_describe_change(self.expected, self.actual)}"
 
 
 def _describe_change(
