@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torch._dynamo.backends.common import aot_autograd
 
 from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
