@@ -237,7 +237,7 @@ def print_chain(result: dict[str, float], backend: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per trainer")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per trainer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (they include the compiles)")
     parser.add_argument("--quick", action="store_true", help="3 warm-up and 5 timed steps, fewer chain calls")
     parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
