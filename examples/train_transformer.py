@@ -15,7 +15,7 @@ forward and backward only and reduce-scatters the gradients). The loss is comput
     python examples/train_transformer.py --no-sequence-parallel # norms on whole (replicated) activations
     python examples/train_transformer.py --steps 10 --save ckpt/step-10          # a DCP checkpoint
     python examples/train_transformer.py --steps 20 --resume ckpt/step-10 --dp 1 --tp 4 --check  # any mesh
-    python examples/train_transformer.py --compile inductor --check  # forward + backward under torch.compile
+    python examples/train_transformer.py --compile inductor --check  # forward, backward, AdamW compiled
     python examples/train_transformer.py --compile --fsdp --check    # each block compiled, fully_shard's hooks eager
     torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29541 examples/train_transformer.py
 
@@ -85,7 +85,8 @@ class Config:
     resume: str | None = None
     """Checkpoint directory to continue from: its step, weights and AdamW state, on this run's mesh."""
     compile: str | None = None
-    """torch.compile backend ("inductor", "aot_eager") for forward + loss (+ their backward), or None."""
+    """torch.compile backend ("inductor", "aot_eager") for forward + loss (+ their backward) and the
+    optimizer step, or None."""
 
 
 # ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
@@ -250,17 +251,19 @@ def train_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     loss_fn: Any = next_token_loss,
+    optimizer_step: Any = None,
 ) -> float:
     """One step of next-token prediction; returns the loss (the mean over the global batch).
 
     The gradients are cleared at the start, so after the step they are there to be looked at.
-    ``loss_fn`` may be ``next_token_loss`` compiled (``--compile``).
+    ``loss_fn`` may be ``next_token_loss`` compiled, ``optimizer_step`` the optimizer's step compiled
+    (``--compile``).
     """
     optimizer.zero_grad()
     with loss_parallel():
         loss = loss_fn(model, inputs, targets)
         loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
+    (optimizer_step or optimizer.step)()
     return float(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
 
 
@@ -296,6 +299,8 @@ def train(cfg: Config) -> list[float]:
     )
     optimizer = make_optimizer(model, cfg)
     loss_fn = compile_model(model, cfg, mesh.size()) if cfg.compile else next_token_loss
+    # torch's "compiled optimizer": one graph for the AdamW update of every parameter
+    optimizer_step = torch.compile(optimizer.step, backend=cfg.compile) if cfg.compile else optimizer.step
 
     def place(batch: torch.Tensor) -> DTensor:
         # Every rank can build the global batch here; src_data_rank=None keeps its own dp slice, no traffic.
@@ -312,7 +317,7 @@ def train(cfg: Config) -> list[float]:
         # compiling while others add and remove them would trace (and guard on) each other's hooks.
         counted = step == min(start + 1, cfg.steps - 1) and not cfg.compile
         with comm if counted else contextlib.nullcontext():
-            losses.append(train_step(model, optimizer, place(inputs), place(targets), loss_fn))
+            losses.append(train_step(model, optimizer, place(inputs), place(targets), loss_fn, optimizer_step))
         progress.update(step, losses[-1])
     progress.close()
     if cfg.save:
@@ -478,7 +483,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, bool]:
         const="inductor",
         choices=("inductor", "aot_eager", "eager"),
         help="run forward + loss (and their backward) under torch.compile(fullgraph=True), with --fsdp each "
-        "block's forward; default backend inductor",
+        "block's forward, and the optimizer step compiled; default backend inductor",
     )
     args = parser.parse_args(argv)
     cfg = Config(
