@@ -104,10 +104,7 @@ class DTensor(torch.Tensor):
             spec = DTensorSpec(
                 spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
             )
-        local = inner_tensors["_local_tensor"]
-        if local.requires_grad and not requires_grad:
-            local = local.detach()
-        return wrap_result(local, spec, requires_grad=requires_grad)
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
     @classmethod
     def __metadata_guard__(
