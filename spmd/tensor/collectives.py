@@ -22,7 +22,7 @@ import torch
 
 from spmd.tensor.comm import Communicator
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import shard_offsets, shard_sizes
+from spmd.tensor.placement import pad_dim, shard_offsets, shard_sizes
 
 __all__ = [
     "pad_dim",
@@ -31,6 +31,7 @@ __all__ = [
     "all_to_all_dims",
     "local_chunk",
     "pad_into_partial",
+    "reduction_identity",
     "partition_value",
     "scatter_from",
     "broadcast_from",
@@ -79,16 +80,6 @@ def reduce_over(mesh: DeviceMesh, mesh_dims: Sequence[int], tensor: torch.Tensor
 
 
 # ----- redistribute steps on one mesh dim ----------------------------------------------------------
-def pad_dim(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
-    """``tensor`` grown to ``to`` along ``dim`` with zeros (uneven shards travel padded to the largest)."""
-    missing = to - tensor.size(dim)
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
-
-
 def all_gather_dim(local: torch.Tensor, comm: Communicator, dim: int, full: int) -> torch.Tensor:
     """Shard(dim) -> Replicate over ``comm``: the whole ``full``-long dim from every member's piece."""
     sizes = shard_sizes(full, comm.size)
@@ -145,28 +136,43 @@ def all_to_all_dims(local: torch.Tensor, comm: Communicator, src_dim: int, dst_d
     return torch.cat(pieces, src_dim)
 
 
+def reduction_identity(reduce_op: str, dtype: torch.dtype) -> float | int | bool:
+    """The value ``x`` with ``reduce(x, v) == v`` for every ``v`` of ``dtype`` (avg has none: scale instead)."""
+    if reduce_op == "sum":
+        return 0
+    if reduce_op == "product":
+        return 1
+    if reduce_op not in ("max", "min"):
+        raise ValueError(f"Partial({reduce_op!r}) has no identity element")
+    if dtype == torch.bool:
+        return reduce_op == "min"
+    if dtype.is_floating_point:
+        return -torch.inf if reduce_op == "max" else torch.inf
+    info = torch.iinfo(dtype)
+    return info.min if reduce_op == "max" else info.max
+
+
 def pad_into_partial(local: torch.Tensor, n: int, index: int, dim: int, full: int, reduce_op: str) -> torch.Tensor:
-    """Shard -> Partial without traffic: the shard at its offset, the reduction's identity elsewhere."""
+    """Shard -> Partial without traffic: the shard at its offset, the reduction's identity elsewhere.
+
+    An average has no identity: zeros around the shard scaled by ``n`` average to the shard.
+    """
     shape = list(local.shape)
     shape[dim] = full
-    if reduce_op in ("sum", "avg"):
-        out = local.new_zeros(shape)
+    if reduce_op == "avg":
+        out, local = local.new_zeros(shape), local * n
     else:
-        floating = local.is_floating_point()
-        info = torch.finfo(local.dtype) if floating else torch.iinfo(local.dtype)
-        identity = (
-            (-torch.inf if floating else info.min) if reduce_op == "max" else (torch.inf if floating else info.max)
-        )
-        out = local.new_full(shape, identity)
-    scale = n if reduce_op == "avg" else 1
-    out.narrow(dim, shard_offsets(full, n)[index], local.size(dim)).copy_(local * scale if scale != 1 else local)
+        out = local.new_full(shape, reduction_identity(reduce_op, local.dtype))
+    out.narrow(dim, shard_offsets(full, n)[index], local.size(dim)).copy_(local)
     return out
 
 
 def partition_value(local: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
-    """Replicate -> Partial(reduce_op) at mesh coordinate ``index`` (no traffic): a sum keeps the
-    value on coordinate 0 and zeros elsewhere, so the reduction is exact; avg, max and min keep it
-    everywhere. The one place this rule is written."""
-    if reduce_op == "sum" and index != 0:
-        return torch.zeros_like(local)
+    """Replicate -> Partial(reduce_op) at mesh coordinate ``index`` (no traffic).
+
+    A sum or a product keeps the value on coordinate 0 and the identity (0 or 1) elsewhere, so
+    the reduction is exact; avg, max and min keep it everywhere. The one place this rule is written.
+    """
+    if reduce_op in ("sum", "product") and index != 0:
+        return torch.full_like(local, reduction_identity(reduce_op, local.dtype))
     return local.clone()

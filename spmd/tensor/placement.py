@@ -2,7 +2,9 @@
 
 Placements are plain frozen values. They carry no communication code: every collective lives in
 the redistribute executor. The uneven-shard arithmetic (``shard_sizes``) follows ``torch.chunk``:
-7 rows over 4 ranks are 2, 2, 2, 1 and 5 rows over 4 ranks are 2, 2, 1, 0.
+7 rows over 4 ranks are 2, 2, 2, 1 and 5 rows over 4 ranks are 2, 2, 1, 0. ``Shard`` also cuts a
+local tensor into those pieces (``_split_tensor``, ``_select_split_tensor``: torch's names, which
+code written for torch calls), with no traffic.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets"]
+import torch
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets", "pad_dim"]
 
 
 class Placement:
@@ -58,6 +62,76 @@ class Shard(Placement):
         """
         return shard_sizes(curr_local_size, num_chunks)[rank], shard_offsets(curr_local_size, num_chunks)[rank]
 
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """``local_shard_size_and_offset``, called on an instance (torch's name for it there)."""
+        return Shard.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """``tensor`` cut along ``dim`` into ``num_chunks`` pieces, and the zeros that pad each one.
+
+        Pieces follow ``shard_sizes`` (trailing ones may be empty). ``with_padding`` grows every
+        piece with zeros to the first piece's length (the equal blocks collectives move) and lists
+        the zeros added to each; without it that list is empty. ``contiguous=False`` keeps views.
+
+        >>> pieces, pads = Shard(0)._split_tensor(torch.arange(5), 4)
+        >>> [p.tolist() for p in pieces], pads
+        ([[0, 1], [2, 3], [4, 0], [0, 0]], [0, 0, 1, 2])
+        """
+        dim = self._dim_in(tensor)
+        size = tensor.size(dim)
+        sizes, offsets = shard_sizes(size, num_chunks), shard_offsets(size, num_chunks)
+        pieces = [tensor.narrow(dim, start, length) for start, length in zip(offsets, sizes)]
+        pad_sizes = []
+        if with_padding:
+            pad_sizes = [sizes[0] - length for length in sizes]
+            pieces = [pad_dim(piece, dim, sizes[0]) for piece in pieces]
+        if contiguous:
+            pieces = [piece.contiguous() for piece in pieces]
+        return pieces, pad_sizes
+
+    def _select_split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        index: int | torch.SymInt,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+        clone: bool = True,
+    ) -> torch.Tensor:
+        """Piece ``index`` of ``_split_tensor(tensor, num_chunks, ...)``, cutting only that piece.
+
+        ``clone`` returns a copy; otherwise a view, made contiguous when ``contiguous``. While
+        tracing, ``index`` may be a SymInt; padding needs the piece's concrete length, so pass
+        ``with_padding=False`` then (with it, the guard on the unknown length raises).
+        """
+        if isinstance(index, int):
+            if not -num_chunks <= index < num_chunks:
+                raise IndexError(f"piece {index} is out of range for {num_chunks} pieces")
+            index %= num_chunks
+        dim = self._dim_in(tensor)
+        size = tensor.size(dim)
+        longest = chunk_length(size, num_chunks)
+        # sym_min keeps a SymInt index symbolic while tracing; on ints it is min
+        start = torch.sym_min(longest * index, size)  # type: ignore[no-untyped-call]
+        piece = tensor.narrow(dim, start, torch.sym_min(longest, size - start))  # type: ignore[no-untyped-call]
+        if with_padding:
+            piece = pad_dim(piece, dim, longest)
+        if clone:
+            return piece.clone()
+        return piece.contiguous() if contiguous else piece
+
+    def _dim_in(self, tensor: torch.Tensor) -> int:
+        """``dim`` as a non-negative dim of ``tensor`` (a 0-d tensor has none to shard)."""
+        if tensor.ndim == 0 or not -tensor.ndim <= self.dim < tensor.ndim:
+            raise ValueError(
+                f"{self} is out of range for a {tensor.ndim}-d tensor"
+                + (f"; use a dim in [{-tensor.ndim}, {tensor.ndim - 1}]" if tensor.ndim else "")
+            )
+        return self.dim % tensor.ndim
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
@@ -75,19 +149,25 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
-    """Every rank holds a partial value; the logical tensor is their reduction by ``reduce_op``."""
+    """Every rank holds a partial value; the logical tensor is their reduction by ``reduce_op``.
+
+    ``reduce_op`` is one of ``ALL_REDUCE_OPS``; ``"prod"`` is read as ``"product"``.
+    """
 
     reduce_op: str = "sum"
+    ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "min", "max", "product")
+    """Every reduction a Partial may stand for (torch's list)."""
     REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "max", "min")
-    ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = REDUCE_OPS
-    """torch's name for ``REDUCE_OPS`` (torch also lists "product", which spmd does not offer)."""
+    """The reductions op rules carry through an op; a product partial is reduced before it instead."""
     LINEAR_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg")
     """Reductions that commute with addition and scaling."""
 
     def __post_init__(self) -> None:
-        if self.reduce_op not in self.REDUCE_OPS:
+        if self.reduce_op == "prod":
+            object.__setattr__(self, "reduce_op", "product")
+        if self.reduce_op not in self.ALL_REDUCE_OPS:
             raise ValueError(
-                f"Partial({self.reduce_op!r}) is not supported; use one of {', '.join(self.REDUCE_OPS)}"
+                f"Partial({self.reduce_op!r}) is not supported; use one of {', '.join(self.ALL_REDUCE_OPS)}"
             )
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
@@ -102,14 +182,19 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
+def chunk_length(size: int, num_chunks: int) -> int:
+    """Length of the first (longest) of the ``num_chunks`` pieces of ``size``: ``ceil(size / num_chunks)``."""
+    if num_chunks <= 0:
+        raise ValueError(f"cannot split into {num_chunks} chunks; the mesh dimension must be >= 1")
+    return -(-size // num_chunks)
+
+
 def shard_sizes(size: int, num_chunks: int) -> list[int]:
     """Sizes of the ``num_chunks`` pieces of a dimension of ``size``, as ``torch.chunk`` cuts it.
 
     Chunks are ``ceil(size / num_chunks)`` long; trailing ranks get the remainder or nothing.
     """
-    if num_chunks <= 0:
-        raise ValueError(f"cannot split into {num_chunks} chunks; the mesh dimension must be >= 1")
-    step = -(-size // num_chunks) if size else 0
+    step = chunk_length(size, num_chunks)
     sizes = []
     left = size
     for _ in range(num_chunks):
@@ -126,6 +211,16 @@ def shard_offsets(size: int, num_chunks: int) -> list[int]:
         offsets.append(start)
         start += piece
     return offsets
+
+
+def pad_dim(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+    """``tensor`` grown to ``to`` along ``dim`` with zeros (uneven shards travel padded to the longest)."""
+    missing = to - tensor.size(dim)
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

@@ -48,8 +48,8 @@ def test_queries() -> None:
 
 
 def test_bad_placements_say_what_is_allowed() -> None:
-    with pytest.raises(ValueError, match="use one of sum, avg, max, min"):
-        Partial("product")
+    with pytest.raises(ValueError, match="use one of sum, avg, min, max, product"):
+        Partial("mean")
     with pytest.raises(TypeError, match="int dim"):
         Shard("0")  # type: ignore[arg-type]
 
@@ -67,5 +67,5 @@ def test_local_shard_size_and_offset_match_torchs(size: int, n: int) -> None:
 
 def test_reduce_op_lists_under_torchs_names() -> None:
     assert Partial.LINEAR_REDUCE_OPS == ("sum", "avg")
-    assert set(Partial.ALL_REDUCE_OPS) == {"sum", "avg", "max", "min"}
+    assert Partial.ALL_REDUCE_OPS == ("sum", "avg", "min", "max", "product")
     assert [Partial(op).is_linear for op in Partial.ALL_REDUCE_OPS] == [op in ("sum", "avg") for op in Partial.ALL_REDUCE_OPS]

@@ -42,7 +42,7 @@ __all__ = [
     "use_world",
 ]
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
 class CollectiveError(RuntimeError):
@@ -320,6 +320,8 @@ def reduce_stack(stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         return stacked.amax(dim=0)
     if reduce_op == "min":
         return stacked.amin(dim=0)
+    if reduce_op == "product":
+        return stacked.prod(dim=0, dtype=stacked.dtype)
     raise ValueError(f"unknown reduce op {reduce_op!r}; use one of {REDUCE_OPS}")
 
 

@@ -29,7 +29,12 @@ from spmd.tensor.comm.base import CollectiveAbortedError, CollectiveTimeoutError
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
-_C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_C10D_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
 _functional = torch.ops._c10d_functional
 
 
