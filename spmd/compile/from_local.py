@@ -54,6 +54,7 @@ def from_local_in_graph(
     stride: Sequence[int] | None,
     *,
     rank: int | None,
+    grad_placements: Sequence[Placement] | None = None,
 ) -> DTensor:
     """``DTensor.from_local`` as Dynamo records it: one call, traced by AOTAutograd rather than Dynamo.
 
@@ -69,6 +70,7 @@ def from_local_in_graph(
         (shape is not None, tuple(shape or ())),
         (stride is not None, tuple(stride or ())),
         -1 if rank is None else rank,
+        (grad_placements is not None, tuple(placement_code(p) for p in grad_placements or ())),
     )
 
 
@@ -81,6 +83,7 @@ def _from_local_call(
     shape: tuple[bool, tuple[int, ...]],
     stride: tuple[bool, tuple[int, ...]],
     rank: int,
+    grad_codes: tuple[bool, tuple[tuple[str, int | str], ...]],
 ) -> DTensor:
     return EAGER_FROM_LOCAL[0](
         local_tensor,
@@ -89,4 +92,5 @@ def _from_local_call(
         run_check,
         shape[1] if shape[0] else None,
         stride[1] if stride[0] else None,
+        tuple(placement_from_code(code) for code in grad_codes[1]) if grad_codes[0] else None,
     )

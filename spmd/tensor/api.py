@@ -38,9 +38,11 @@ def distribute_tensor(
 ) -> DTensor:
     """Lay ``tensor`` out on ``device_mesh``: every rank keeps only its shard.
 
-    The data of mesh coordinate 0 is what ends up in the DTensor (scattered for Shard, broadcast
-    for Replicate), so ranks may pass the same tensor or only rank 0's needs to be meaningful.
-    With ``src_data_rank=None`` each rank keeps its own copy's pieces and nothing is sent.
+    The data of the rank at coordinate ``src_data_rank`` on every mesh dim (default 0; on a 1-d
+    mesh, that group rank) is what ends up in the DTensor (scattered for Shard, broadcast for
+    Replicate), so only that rank's tensor needs to be meaningful.
+    With ``src_data_rank=None`` each rank keeps its own copy's pieces and nothing is sent, as for
+    a meta tensor (whose DTensor stays on meta until e.g. ``module.to_empty(device=...)``).
     Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
     """
     device_mesh = device_mesh if device_mesh is not None else current_mesh()
@@ -53,24 +55,44 @@ def distribute_tensor(
         return tensor
     placements = _resolve_placements(device_mesh, placements, tensor.ndim)
     local = tensor.detach()
-    if device_mesh.device_type != local.device.type:
+    if device_mesh.device_type != local.device.type and not local.is_meta:
         local = local.to(device_mesh.device_type)
+    if device_mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing and sends nothing
+        meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
+        return DTensor(local.new_empty(0), DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
     coordinate = device_mesh._require_coordinate()
+    # A meta tensor has no data to send: each rank cuts its piece's shape out locally.
+    source = None if src_data_rank is None or local.is_meta else _source_coordinate(device_mesh, src_data_rank)
     for d, p in enumerate(placements):
         if isinstance(p, Shard):
-            if src_data_rank is None:
+            if source is None:
                 local = local_chunk(local, device_mesh.size(d), coordinate[d], p.dim)
             else:
-                local = scatter_from(device_mesh, d, local, p.dim)
+                local = scatter_from(device_mesh, d, local, p.dim, src=source[d])
             continue
-        if src_data_rank is not None:
-            local = broadcast_from(device_mesh, d, local)
+        if source is not None:
+            local = broadcast_from(device_mesh, d, local, src=source[d])
         if isinstance(p, Partial):
             local = partition_value(local, p.reduce_op, coordinate[d])
     if local is tensor:
         local = local.clone()
     meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
+
+
+def _source_coordinate(mesh: DeviceMesh, src_data_rank: int) -> tuple[int, ...]:
+    """The mesh coordinate whose data ``distribute_tensor`` keeps: ``src_data_rank`` on every mesh dim.
+
+    As in torch, ``src_data_rank`` is a rank within each mesh dim's group (on a 1-d mesh over the
+    whole world, the global rank). Scattering (or broadcasting) along each mesh dim from that
+    entry hands every rank a piece that started on the rank at that coordinate.
+    """
+    if not 0 <= src_data_rank < min(mesh.shape):
+        raise ValueError(
+            f"src_data_rank={src_data_rank} is not a rank of every mesh dim of {mesh!r} (sizes {list(mesh.shape)}); "
+            "pass a group rank below the smallest dim size, or None to keep each rank's own data"
+        )
+    return (src_data_rank,) * mesh.ndim
 
 
 def distribute_module(
@@ -172,11 +194,12 @@ def _factory(
     shape = _size_arg(size)
     dtype = dtype or torch.get_default_dtype()
     placements = _resolve_placements(device_mesh, placements, len(shape))
-    local_shape, _ = local_shape_and_offset(shape, device_mesh, placements)
+    coordinate = device_mesh.get_coordinate()
+    # A rank outside the mesh holds an empty piece.
+    local_shape = (0,) if coordinate is None else local_shape_and_offset(shape, device_mesh, placements, coordinate)[0]
     local = fill(local_shape, dtype).to(device_mesh.device_type)
-    coordinate = device_mesh._require_coordinate()
     for d, p in enumerate(placements):
-        if zero_partials and isinstance(p, Partial):
+        if zero_partials and isinstance(p, Partial) and coordinate is not None:
             local = partition_value(local, p.reduce_op, coordinate[d])
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
@@ -225,7 +248,10 @@ def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
     placements = _resolve_placements(device_mesh, placements, len(shape))
     # Each rank draws its piece of the global tensor a single device would draw, with no
     # communication (the whole tensor in "torch" mode, only its tiles in "counter" mode).
-    local = draw_local(device_mesh, shape, dtype, placements, fill)
+    if device_mesh.get_coordinate() is None:  # a rank outside the mesh draws nothing and holds an empty piece
+        local = torch.empty(0, dtype=dtype, device=device_mesh.device_type)
+    else:
+        local = draw_local(device_mesh, shape, dtype, placements, fill)
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=requires_grad)
 

@@ -22,7 +22,7 @@ from spmd.compile import values as _compile_values  # noqa: F401  (meshes, place
 from spmd.compile.cache_key import stable_cache_key
 from spmd.tensor.collectives import agree, broadcast_from
 from spmd.tensor.comm.threaded import thread_rank
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
 from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
 from spmd.tensor.spec import (
@@ -188,12 +188,19 @@ class DTensor(torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
         run_check: bool = False,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shard of one global DTensor (no data moves).
 
-        Without ``shape`` the global shape assumes even shards (local size times the shard count);
-        pass ``shape`` for uneven ones, or ``run_check=True`` to gather every rank's local shape,
-        check them against each other and, for Replicate dims, broadcast the data of coordinate 0.
+        Without ``shape`` the global shape assumes even shards (local size times the shard count)
+        and the global stride keeps the local tensor's dim order; pass ``shape`` for uneven ones,
+        or ``run_check=True`` to gather every rank's local meta (shape, dtype, requires_grad,
+        layout), check them against each other and, for Replicate dims, broadcast the data of
+        coordinate 0. Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
+
+        ``grad_placements`` is the layout the local tensor's gradient is taken in (by default the
+        DTensor's placements with Partial read as Replicate): e.g. ``[Partial()]`` hands each rank
+        its unreduced contribution.
         """
         if isinstance(local_tensor, DTensor):
             raise TypeError(
@@ -206,7 +213,7 @@ class DTensor(torch.Tensor):
                 "each rank passes only the piece it holds"
             )
         if device_mesh is None:
-            raise ValueError("from_local needs a device_mesh")
+            device_mesh = current_mesh()
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(
                 f"from_local takes a DeviceMesh, got {type(device_mesh).__name__}; "
@@ -216,9 +223,10 @@ class DTensor(torch.Tensor):
             from spmd.compile.from_local import from_local_in_graph
 
             return from_local_in_graph(
-                local_tensor, device_mesh, placements, run_check, shape, stride, rank=thread_rank()
+                local_tensor, device_mesh, placements, run_check, shape, stride,
+                rank=thread_rank(), grad_placements=grad_placements,
             )
-        return from_local_eager(local_tensor, device_mesh, placements, run_check, shape, stride)
+        return from_local_eager(local_tensor, device_mesh, placements, run_check, shape, stride, grad_placements)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (autograd flows back into the DTensor).
@@ -236,8 +244,15 @@ class DTensor(torch.Tensor):
         placements: Sequence[Placement] | None = None,
         *,
         async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
-        """The same global tensor laid out as ``placements`` (collectives as the plan needs)."""
+        """The same global tensor laid out as ``placements`` (collectives as the plan needs).
+
+        ``forward_dtype`` casts before the collectives (the result has that dtype), e.g. to gather
+        bf16 weights; ``backward_dtype`` is the dtype the gradient's collectives run in (the
+        gradient still comes back in this DTensor's dtype).
+        """
         if device_mesh is not None and device_mesh != self._spec.mesh:
             raise ValueError(
                 f"cannot redistribute from {self._spec.mesh} to another mesh {device_mesh}; "
@@ -246,9 +261,13 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute needs placements, e.g. [Replicate()]")
         target = normalize_placements(placements, self._spec.mesh, self.ndim)
-        if target == self._spec.placements:
+        if forward_dtype == self.dtype:
+            forward_dtype = None
+        if backward_dtype == self.dtype:
+            backward_dtype = None
+        if target == self._spec.placements and forward_dtype is None and backward_dtype is None:
             return self
-        return Redistribute.apply(self, target)  # type: ignore[no-untyped-call]
+        return Redistribute.apply(self, target, forward_dtype, backward_dtype)  # type: ignore[no-untyped-call]
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor."""
@@ -343,11 +362,25 @@ def _check_and_gather_shape(
 ) -> tuple[int, ...]:
     """run_check: compare every rank's local meta and return the global shape it implies."""
     # (coordinate, local shape, dtype) of every rank of the mesh
-    entry = (mesh._require_coordinate(), tuple(local.shape), str(local.dtype))
-    metas: list[tuple[tuple[int, ...], tuple[int, ...], str]] = agree(mesh, range(mesh.ndim), entry)
+    strides = local.stride()
+    order = tuple(sorted(range(local.ndim), key=lambda d: (-strides[d], d)))
+    entry = (mesh._require_coordinate(), tuple(local.shape), str(local.dtype), local.requires_grad, order)
+    metas: list[tuple[tuple[int, ...], tuple[int, ...], str, bool, tuple[int, ...]]] = agree(
+        mesh, range(mesh.ndim), entry
+    )
     dtypes = {m[2] for m in metas}
     if len(dtypes) != 1:
         raise ValueError(f"from_local: ranks passed local tensors of different dtypes {sorted(dtypes)}")
+    if len({m[3] for m in metas}) != 1:
+        raise ValueError(
+            "from_local: some ranks passed local tensors that require grad and some that do not; "
+            "set requires_grad alike on every rank"
+        )
+    if len({m[4] for m in metas}) != 1 and len({m[1] for m in metas}) == 1:
+        raise ValueError(
+            "from_local: ranks passed local tensors of different memory layouts (strides "
+            f"{local.stride()} on this rank); make them alike, e.g. with .contiguous()"
+        )
     ndims = {len(m[1]) for m in metas}
     if len(ndims) != 1:
         raise ValueError(f"from_local: ranks passed local tensors of different ranks (ndim) {sorted(ndims)}")
@@ -386,6 +419,7 @@ def from_local_eager(
     run_check: bool,
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
+    grad_placements: Sequence[Placement] | None = None,
 ) -> DTensor:
     """``DTensor.from_local`` after its type checks: placements checked, then the autograd function.
 
@@ -395,7 +429,25 @@ def from_local_eager(
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     normalized = normalize_placements(placements, device_mesh, local_tensor.ndim)
-    return _FromLocal.apply(local_tensor, device_mesh, normalized, run_check, shape, stride)  # type: ignore[no-untyped-call]
+    grads = None if grad_placements is None else normalize_placements(grad_placements, device_mesh, local_tensor.ndim)
+    return _FromLocal.apply(local_tensor, device_mesh, normalized, run_check, shape, stride, grads)  # type: ignore[no-untyped-call]
+
+
+def layout_strides(local: torch.Tensor, global_shape: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides of ``global_shape`` that keep ``local``'s dim order (outermost = largest stride).
+
+    A transposed local shard stands for a transposed global tensor, as on a single device.
+    """
+    if local.is_contiguous():
+        return contiguous_strides(global_shape)
+    local_strides = local.stride()
+    order = sorted(range(local.ndim), key=lambda d: (-local_strides[d], d))  # outermost first
+    strides = [0] * local.ndim
+    running = 1
+    for d in reversed(order):
+        strides[d] = running
+        running *= max(global_shape[d], 1)
+    return tuple(strides)
 
 
 class _FromLocal(torch.autograd.Function):
@@ -408,8 +460,10 @@ class _FromLocal(torch.autograd.Function):
         run_check: bool,
         shape: Sequence[int] | None,
         stride: Sequence[int] | None,
+        grad_placements: tuple[Placement, ...] | None,
     ) -> DTensor:
-        if run_check:
+        member = mesh.get_coordinate() is not None
+        if run_check and member:
             global_shape = _check_and_gather_shape(local, mesh, placements, shape)
             for d, p in enumerate(placements):
                 if isinstance(p, Replicate):
@@ -419,15 +473,20 @@ class _FromLocal(torch.autograd.Function):
         else:
             global_shape = _infer_global_shape(local.shape, mesh, placements)
         if stride is None:
-            stride = contiguous_strides(global_shape)
+            stride = layout_strides(local, global_shape)
         spec = DTensorSpec(mesh, placements, TensorMeta(tuple(global_shape), tuple(stride), local.dtype))
+        if not member:  # a rank outside the mesh holds nothing of the tensor (its shape is still global)
+            local = local.new_empty(0)
         ctx.spec = spec
+        ctx.grad_placements = grad_placements
         # The DTensor must not alias the caller's tensor object for autograd, but may share storage.
         return DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:
         spec: DTensorSpec = ctx.spec
+        if ctx.grad_placements is not None:
+            return redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements), *(None,) * 6
         target = grad_placements_for(spec.placements)
         local = redistribute_local(grad._local_tensor, grad._spec, target)
         for d, p in enumerate(spec.placements):
@@ -439,7 +498,7 @@ class _FromLocal(torch.autograd.Function):
                         f"the gradient of from_local with {p} is not defined here; "
                         f"redistribute to Replicate() before the op that needs the gradient"
                     )
-        return local, None, None, None, None, None
+        return local, *(None,) * 6
 
 
 class _ToLocal(torch.autograd.Function):

@@ -16,11 +16,17 @@ collective the library issues.
 
 A mesh dim of one rank moves no data: that rank holds the whole dim whatever the placement (S(d),
 R and P are the same local tensor), so a change there is a relabel, never a step of a plan.
+
+When the mesh has flattened dims (``mesh["dp", "cp"]._flatten()``), steps in a row that run the same
+collective on the mesh dims of one flattened dim run it once over the flattened group
+(``FlattenedStep``): one all_reduce instead of two. A rank outside the mesh holds an empty piece,
+and nothing moves through it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +47,7 @@ from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line,
 
 __all__ = [
     "TransformStep",
+    "FlattenedStep",
     "plan_redistribute",
     "redistribute_local",
     "redistribute_traced",
@@ -86,6 +93,108 @@ class TransformStep:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+@dataclass(frozen=True, slots=True)
+class FlattenedStep:
+    """One collective over several mesh dims at once, through the group of the dim they were flattened into.
+
+    Runs the collective that ``TransformStep(d, src, dst)`` runs, for every ``d`` of ``mesh_dims``
+    (ascending: the first is the major dim of the flattened group).
+    """
+
+    mesh_dims: tuple[int, ...]
+    src: Placement
+    dst: Placement
+
+    @property
+    def collective(self) -> str:
+        return TransformStep(self.mesh_dims[0], self.src, self.dst).collective
+
+    def describe(self) -> str:
+        one = TransformStep(self.mesh_dims[0], self.src, self.dst).describe()
+        dims = ", ".join(str(d) for d in self.mesh_dims)
+        return f"mesh dims {dims} (flattened){one[one.index(':'):]}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+MERGEABLE = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+
+
+def merge_flattened_steps(
+    steps: Sequence[TransformStep], spec: DTensorSpec, src: Sequence[Placement]
+) -> list[TransformStep | FlattenedStep]:
+    """``steps`` with each run of one transform on several mesh dims replaced by one ``FlattenedStep``
+    where the mesh has a flattened dim over exactly those mesh dims.
+
+    Only steps next to each other in the plan merge, and only across mesh dims the plan leaves
+    alone, so the merged collective does what the steps did in the same order. A gather or scatter
+    merges only when every piece is even (a flattened group cuts the dim evenly at once; nested uneven
+    cuts differ). The choice reads only values every rank shares, so all ranks make it alike.
+    """
+    touched = {step.mesh_dim for step in steps}
+    cur = list(src)
+    merged: list[TransformStep | FlattenedStep] = []
+    i = 0
+    while i < len(steps):
+        step = steps[i]
+        end = i + 1
+        if step.collective in MERGEABLE:
+            while end < len(steps) and (steps[end].src, steps[end].dst) == (step.src, step.dst):
+                end += 1
+        found = None
+        for stop in range(end, i + 1, -1):  # the longest run first, two steps at least
+            found = _flattened_step(steps[i:stop], spec, cur, touched)
+            if found is not None:
+                break
+        if found is None:
+            merged.append(step)
+            cur[step.mesh_dim] = step.dst
+            i += 1
+            continue
+        merged.append(found)
+        for d in found.mesh_dims:
+            cur[d] = found.dst
+        i = stop
+    return merged
+
+
+def _flattened_step(
+    run: Sequence[TransformStep], spec: DTensorSpec, cur: Sequence[Placement], touched: set[int]
+) -> FlattenedStep | None:
+    """The one step that does ``run`` (the same transform on several mesh dims), or None if none can."""
+    dims = [step.mesh_dim for step in run]
+    ordered = sorted(dims)
+    kind, first = run[0].collective, run[0]
+    if len(set(dims)) != len(dims):
+        return None
+    # Nested shards are cut by the lower mesh dim first: a scatter cuts outer to inner, a gather
+    # joins inner to outer; the flattened group does either at once.
+    if (kind == "reduce_scatter" and dims != ordered) or (kind == "all_gather" and dims != ordered[::-1]):
+        return None
+    between = [e for e in range(ordered[0], ordered[-1]) if e not in dims]
+    if any(e in touched for e in between):
+        return None
+    if kind != "all_reduce":
+        shard = first.dst if kind == "reduce_scatter" else first.src
+        assert isinstance(shard, Shard)
+        mesh_shape = spec.mesh.shape
+        cuts = math.prod(
+            mesh_shape[e] for e, p in enumerate(cur) if e not in dims and isinstance(p, Shard) and p.dim == shard.dim
+        )
+        if any(isinstance(cur[e], Shard) and cur[e] == shard for e in between):
+            return None
+        if spec.shape[shard.dim] % (cuts * math.prod(mesh_shape[d] for d in dims)):
+            return None
+    if spec.mesh._flattened_communicator(ordered) is None:
+        return None
+    return FlattenedStep(tuple(ordered), first.src, first.dst)
+
+
+def _collective_count(steps: Sequence[TransformStep | FlattenedStep]) -> int:
+    return sum(step.collective != "local" for step in steps)
 
 
 def _shard_dims(p: Placement) -> set[int]:
@@ -215,20 +324,61 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
         src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
         if src == dst:
             return local
-    coord = spec.mesh._require_coordinate()
+    mesh = spec.mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # not a rank of the mesh: it holds an empty piece, and takes part in nothing
+        return local
     cur = list(src)
     # Scattering before several reductions pays off in bytes, not in latency: small tensors skip it.
     ndim = spec.ndim if spec.tensor_meta.nbytes >= SCATTERED_REDUCTION_MIN_BYTES else None
-    for step in plan_redistribute(src, dst, ndim):
+    steps: Sequence[TransformStep | FlattenedStep] = plan_redistribute(src, dst, ndim)
+    if len(steps) > 1 and mesh._get_root_mesh()._flattened_dims():
+        steps = _plan_with_flattened_dims(src, dst, ndim, spec)
+    for step in steps:
         if STATE.verbose:
             with capture_collectives() as records:
-                local = _run_step(local, step, spec, cur, coord)
+                local = _run_any_step(local, step, spec, cur, coord)
             moved = sum(r.moved_bytes for r in records)
             log_line("    %-52s %s", step.describe(), human_bytes(moved) if records else "")
         else:
-            local = _run_step(local, step, spec, cur, coord)
-        cur[step.mesh_dim] = step.dst
+            local = _run_any_step(local, step, spec, cur, coord)
+        for d in step.mesh_dims if isinstance(step, FlattenedStep) else (step.mesh_dim,):
+            cur[d] = step.dst
     return local
+
+
+def _plan_with_flattened_dims(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int | None, spec: DTensorSpec
+) -> list[TransformStep | FlattenedStep]:
+    """The plan with merged steps; of the plans with and without the scatter before several
+    reductions, the one of fewer collectives (one all_reduce over a flattened group beats three steps)."""
+    best = merge_flattened_steps(plan_redistribute(src, dst, ndim), spec, src)
+    if ndim is not None:
+        plain = merge_flattened_steps(plan_redistribute(src, dst, None), spec, src)
+        if _collective_count(plain) < _collective_count(best):
+            best = plain
+    return best
+
+
+def _run_any_step(
+    local: torch.Tensor,
+    step: TransformStep | FlattenedStep,
+    spec: DTensorSpec,
+    cur: Sequence[Placement],
+    coord: Sequence[int],
+) -> torch.Tensor:
+    if isinstance(step, TransformStep):
+        return _run_step(local, step, spec, cur, coord)
+    comm = spec.mesh._flattened_communicator(step.mesh_dims)
+    assert comm is not None  # merge_flattened_steps found it
+    comm = comm.with_context(spec, step)
+    src_p, dst_p = step.src, step.dst
+    if isinstance(src_p, Shard):  # all_gather, inner dims first: the gathered size is the outermost's
+        return all_gather_dim(local, comm, src_p.dim, _level_size(spec, cur, coord, src_p.dim, step.mesh_dims[0]))
+    assert isinstance(src_p, Partial)
+    if isinstance(dst_p, Shard):
+        return reduce_scatter_dim(local, comm, dst_p.dim, src_p.reduce_op)
+    return comm.all_reduce(local, src_p.reduce_op)
 
 
 def _run_step(
@@ -275,18 +425,54 @@ def grad_placements_for(placements: Sequence[Placement]) -> tuple[Placement, ...
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in placements)
 
 
+def backward_placements(src: Sequence[Placement], grad: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Where a redistribute's gradient goes back to: ``grad_placements_for(src)``, except that a
+    gradient already Partial where the input was Partial stays so (the same global value, no collective)."""
+    return tuple(
+        g if isinstance(s, Partial) and isinstance(g, Partial) else (REPLICATE if isinstance(s, Partial) else s)
+        for s, g in zip(src, grad)
+    )
+
+
 class Redistribute(torch.autograd.Function):
-    """``DTensor.redistribute`` with autograd: the gradient is redistributed back to the input layout."""
+    """``DTensor.redistribute`` with autograd: the gradient is redistributed back to the input layout.
+
+    ``forward_dtype`` casts the local tensor before the collectives (the result keeps it);
+    ``backward_dtype`` is the dtype the gradient's collectives run in, and the gradient comes back
+    in the input's dtype.
+    """
 
     @staticmethod
-    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:
+    def forward(
+        ctx: Any,
+        input: Any,
+        placements: tuple[Placement, ...],
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> Any:
         spec = input._spec
+        local = input._local_tensor
         ctx.src_placements = spec.placements
-        local = redistribute_traced(input._local_tensor, spec, placements, "redistribute")
+        ctx.input_dtype = local.dtype
+        ctx.backward_dtype = backward_dtype
+        if forward_dtype is not None and forward_dtype != local.dtype:
+            local = local.to(forward_dtype)
+            spec = spec.with_dtype(forward_dtype)
+        if placements != spec.placements:
+            local = redistribute_traced(local, spec, placements, "redistribute")
+        elif local is input._local_tensor:
+            local = local.view_as(local)
         return type(input)(local, spec.with_placements(placements), requires_grad=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
-        target = grad_placements_for(ctx.src_placements)
-        local = redistribute_traced(grad._local_tensor, grad._spec, target, "redistribute (backward)")
-        return type(grad)(local, grad._spec.with_placements(target), requires_grad=False), None
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:
+        local, spec = grad._local_tensor, grad._spec
+        if ctx.backward_dtype is not None and ctx.backward_dtype != local.dtype:
+            local, spec = local.to(ctx.backward_dtype), spec.with_dtype(ctx.backward_dtype)
+        target = backward_placements(ctx.src_placements, spec.placements)
+        if target != spec.placements:
+            local = redistribute_traced(local, spec, target, "redistribute (backward)")
+        if local.dtype != ctx.input_dtype:
+            local = local.to(ctx.input_dtype)
+        result = spec.with_placements(target).with_dtype(ctx.input_dtype)
+        return type(grad)(local, result, requires_grad=False), None, None, None

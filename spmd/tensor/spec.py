@@ -115,6 +115,13 @@ class DTensorSpec:
     def with_placements(self, placements: Sequence[Placement]) -> DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.tensor_meta)
 
+    def with_dtype(self, dtype: torch.dtype) -> DTensorSpec:
+        """The same layout of a tensor of ``dtype``."""
+        if dtype == self.tensor_meta.dtype:
+            return self
+        meta = self.tensor_meta
+        return DTensorSpec(self.mesh, self.placements, TensorMeta(meta.shape, meta.stride, dtype))
+
     def num_shards(self, tensor_dim: int) -> int:
         """How many pieces ``tensor_dim`` is cut into across the whole mesh."""
         count = 1
