@@ -78,6 +78,23 @@ def test_split_tensor_cuts_like_torch_chunk(size: int, n: int, dim: int) -> None
             assert torch.equal(selected, whole[index])
 
 
+@pytest.mark.parametrize("size,n", [(16, 4), (17, 4), (6, 4), (5, 4), (1, 4), (0, 3), (8, 16)])
+def test_split_tensor_matches_torchs(size: int, n: int) -> None:
+    # The reference implementation, by name: an export of these tests must not import it.
+    torch_shard = pytest.importorskip("torch.distributed.tensor").Shard
+    tensor = torch.arange(2 * size).reshape(2, size)
+    for with_padding, contiguous in [(False, False), (False, True), (True, True)]:
+        options = {"with_padding": with_padding, "contiguous": contiguous}
+        want, want_pads = torch_shard(1)._split_tensor(tensor, n, **options)
+        got, got_pads = Shard(1)._split_tensor(tensor, n, **options)
+        assert got_pads == want_pads
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(torch.equal(g, w) and g.is_contiguous() == w.is_contiguous() for g, w in zip(got, want))
+        for index in range(n):
+            want_one = torch_shard(1)._select_split_tensor(tensor, n, index, **options)
+            assert torch.equal(Shard(1)._select_split_tensor(tensor, n, index, **options), want_one)
+
+
 def test_split_tensor_views_and_copies() -> None:
     tensor = torch.arange(24).reshape(4, 6)
 
