@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from contextvars import ContextVar
 from datetime import timedelta
@@ -18,6 +20,18 @@ __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 # The meshes entered with ``with mesh:``, innermost last. A context variable, so that each rank
 # thread of a threaded world has its own stack.
 _ENTERED_MESHES: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("spmd_entered_meshes", default=())
+
+MeshKey = tuple[Any, ...]
+"""A mesh's value without its world: (device type, shape, ranks, dim names)."""
+
+# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey) -> {name: root
+# dims}. Keyed by the mesh's value, because equal meshes are interchangeable (a decision cached by one
+# rank thread may hand another rank a spec holding the first rank's mesh object), and by rank, because
+# rank threads reach their own `_flatten` calls at different times.
+_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey], dict[str, tuple[int, ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_FLATTENED_LOCK = threading.Lock()
 
 
 def current_mesh() -> DeviceMesh:
@@ -47,6 +61,8 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
         _world: World | None = None,
         _create_groups: bool = True,
+        _root: DeviceMesh | None = None,
+        _root_dims: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         ranks = _ranks_tensor(mesh)
         self._device_type = device_type
@@ -87,9 +103,16 @@ class DeviceMesh:
             self._dim_groups.append({r: group for group in groups for r in group})
         if _create_groups:
             self._world.create_groups(self._groups())
+        self._covers_world = len(self._flat) == self._world.size
+        """Every rank of the world is in the mesh, so no caller needs the non-member path."""
+        # A sub-mesh (``mesh["tp"]``, ``mesh["dp", "cp"]._flatten()``) remembers the mesh it was cut
+        # from, and which of that mesh's dims each of its own dims spans, to find flattened dims.
+        self._root = _root
+        self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(ranks.ndim))
+        self._key: MeshKey = (device_type, self._shape, self._flat, self.mesh_dim_names)
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
         # communicators belong to different ranks.
-        self._hash = hash((device_type, self._shape, self._flat, self.mesh_dim_names, id(self._world)))
+        self._hash = hash((*self._key, id(self._world)))
 
     # ----- shape -----------------------------------------------------------------------------------
     @property
@@ -172,6 +195,9 @@ class DeviceMesh:
             if self.ndim != 1:
                 raise ValueError(f"get_group needs a mesh_dim on a {self.ndim}-d mesh")
             mesh_dim = 0
+        flattened = isinstance(mesh_dim, str) and mesh_dim not in (self.mesh_dim_names or ())
+        if flattened and self._root is None and mesh_dim in self._flattened_dims():
+            return self[mesh_dim].get_group()  # a dim made by ``_flatten`` on this mesh
         comm = self.get_communicator(mesh_dim)
         return getattr(comm, "group", comm)
 
@@ -181,23 +207,134 @@ class DeviceMesh:
 
     # ----- sub-meshes ------------------------------------------------------------------------------
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
-        """The sub-mesh over the named dims that contains the caller, e.g. ``mesh["tp"]``."""
+        """The sub-mesh over the named dims that contains the caller, e.g. ``mesh["tp"]``.
+
+        On a root mesh (one not cut from another) the names may include dims made by ``_flatten``,
+        e.g. ``mesh["dp_shard_cp"]`` or ``mesh["dp_replicate", "dp_shard_cp"]``.
+        """
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        dims = [self.dim_index(name) for name in wanted]
-        for i, dim in enumerate(dims):
-            if dim in dims[:i]:
+        if wanted == self.mesh_dim_names:
+            return self
+        own = self.mesh_dim_names or ()
+        flattened = self._flattened_dims() if self._root is None else {}
+        sources: list[tuple[int, ...]] = []
+        for name in wanted:
+            if name in own:
+                sources.append(self._root_dims[own.index(name)])
+            elif name in flattened:
+                sources.append(flattened[name])
+            else:
+                made = f" and the flattened dims {tuple(flattened)}" if flattened else ""
+                where = "" if self._root is None else " (flattened dims are sliced from the mesh they were made on)"
+                raise KeyError(f"mesh has no dim named {name!r}; its dims are {self.mesh_dim_names}{made}{where}")
+        covered: list[int] = []
+        for name, source in zip(wanted, sources):
+            if any(d in covered for d in source):
                 raise ValueError(
-                    f"mesh[{names!r}] names mesh dim {wanted[i]!r} more than once; name each dim at most once"
+                    f"mesh[{names!r}] names mesh dim {name!r} more than once (or a flattened dim and one of "
+                    "its parts); name each dim at most once"
                 )
+            covered.extend(source)
+        return self._get_root_mesh()._slice(tuple(sources), wanted)
+
+    def _get_root_mesh(self) -> DeviceMesh:
+        """The mesh this one was cut from (itself when it was built directly)."""
+        return self if self._root is None else self._root
+
+    def _slice(self, sources: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> DeviceMesh:
+        """The caller's sub-mesh of this root mesh whose dim ``i`` runs over root dims ``sources[i]``
+        (several root dims make one flattened dim, row-major)."""
         coordinate = self._require_coordinate()
-        index = tuple(slice(None) if d in dims else coordinate[d] for d in range(self.ndim))
-        sub = self.mesh[index]
-        order = sorted(range(len(dims)), key=lambda i: dims[i])
-        sub = sub.permute([order.index(i) for i in range(len(dims))]) if len(dims) > 1 else sub
-        # Every group of the sub-mesh is a group of this mesh, so nothing new is created.
+        picked = [d for source in sources for d in source]
+        sub = self.mesh[tuple(slice(None) if d in picked else coordinate[d] for d in range(self.ndim))]
+        ascending = sorted(picked)
+        sub = sub.permute([ascending.index(d) for d in picked])
+        sub = sub.reshape([math.prod(self._shape[d] for d in source) for source in sources])
+        # Every group of the sub-mesh is a group of this mesh or of a dim flattened on it.
         return DeviceMesh(
-            self.device_type, sub, mesh_dim_names=wanted, _world=self._world, _create_groups=False
+            self.device_type,
+            sub,
+            mesh_dim_names=names,
+            _world=self._world,
+            _create_groups=False,
+            _root=self,
+            _root_dims=sources,
         )
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """This mesh as a 1-d mesh over all of its ranks (row-major), named on the root mesh.
+
+        Every rank calls it (it creates a communicator per flattened group). The name defaults to
+        the dim names joined by ``_``; afterwards ``root[name]`` returns the flattened mesh, and a
+        redistribute that runs the same collective on each of the flattened dims in a row runs it
+        once over the flattened group instead.
+
+        >>> mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))  # doctest: +SKIP
+        >>> mesh["dp", "cp"]._flatten().mesh_dim_names  # doctest: +SKIP
+        ('dp_cp',)
+        """
+        if not self.mesh_dim_names:
+            raise RuntimeError("cannot flatten a DeviceMesh without mesh_dim_names; pass mesh_dim_names=... when building it")
+        name = mesh_dim_name or "_".join(self.mesh_dim_names)
+        if self.ndim == 1 and name == self.mesh_dim_names[0]:
+            return self
+        root = self._get_root_mesh()
+        if name in (root.mesh_dim_names or ()):
+            raise ValueError(
+                f"cannot flatten into {name!r}: the mesh already has a dim of that name "
+                f"(its dims are {root.mesh_dim_names}); pass another mesh_dim_name"
+            )
+        dims = tuple(d for source in self._root_dims for d in source)
+        registry = root._flattened_dims(create=True)
+        known = registry.get(name)
+        if known is None:
+            root._world.create_groups(root._groups_along(dims))
+            registry[name] = dims
+        elif known != dims:
+            made = tuple(root.mesh_dim_names[d] for d in known) if root.mesh_dim_names else known
+            raise ValueError(
+                f"a flattened dim {name!r} was already made from mesh dims {made}; pass another mesh_dim_name"
+            )
+        return root._slice((dims,), (name,))
+
+    def _flattened_dims(self, *, create: bool = False) -> dict[str, tuple[int, ...]]:
+        """The dims the caller has flattened on this (root) mesh: name -> root dims, row-major."""
+        key = (self._world.current_rank(), self._key)
+        per_world = _FLATTENED.get(self._world)
+        if per_world is None:
+            if not create:
+                return {}
+            with _FLATTENED_LOCK:
+                per_world = _FLATTENED.setdefault(self._world, {})
+        registry = per_world.get(key)
+        if registry is None:
+            if not create:
+                return {}
+            registry = per_world.setdefault(key, {})
+        return registry
+
+    def _groups_along(self, dims: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every group of ranks that differ only along ``dims`` (row-major over them), in one order."""
+        others = [d for d in range(self.ndim) if d not in dims]
+        rows = self.mesh.permute(*others, *dims).reshape(-1, math.prod(self._shape[d] for d in dims))
+        return [tuple(row) for row in rows.tolist()]
+
+    def _flattened_communicator(self, mesh_dims: Sequence[int]) -> Communicator | None:
+        """The caller's communicator over ``mesh_dims`` of this mesh taken as one flattened dim, if a
+        ``_flatten`` call made that dim (None otherwise). ``mesh_dims`` ascend: the first is the major."""
+        root = self._get_root_mesh()
+        registry = root._flattened_dims()
+        if not registry:
+            return None
+        dims = tuple(d for m in mesh_dims for d in self._root_dims[m])
+        name = next((n for n, flat in registry.items() if flat == dims), None)
+        if name is None:
+            return None
+        coordinate = root._require_coordinate()
+        ranks = root.mesh[tuple(slice(None) if d in dims else coordinate[d] for d in range(root.ndim))]
+        ascending = sorted(dims)
+        group = tuple(ranks.permute([ascending.index(d) for d in dims]).flatten().tolist())
+        return self._world.communicator(group).on_mesh_dim(name)
 
     # ----- the current mesh ------------------------------------------------------------------------
     def __enter__(self) -> Self:

@@ -75,7 +75,8 @@ class Dispatcher:
             # A plain positional call whose cached decision is simple: key, look up, run, wrap.
             key: list[Any] = [entry]
             positions: list[int] = []
-            if isinstance(scan_leaves(entry, args, key, positions), DeviceMesh):
+            mesh = scan_leaves(entry, args, key, positions)
+            if isinstance(mesh, DeviceMesh) and (mesh._covers_world or mesh.get_coordinate() is not None):
                 try:
                     decision = self.cache.get(tuple(key))
                 except TypeError:  # an unhashable argument: the steps decide it
@@ -102,6 +103,8 @@ class Dispatcher:
             if STATE.verbose:
                 log_decomposition(op, call.specs(), decision, hit)
             return decision.decomposition(op, call.args, call.kwargs)
+        if not call.mesh._covers_world and call.mesh.get_coordinate() is None:
+            return _result_outside_mesh(entry, decision, call)
         local_args, local_kwargs = self.move_inputs(entry, decision, call, hit)
         result = self.run_local(entry, decision, call, local_args, local_kwargs)
         return self.wrap(entry, decision, call, result, local_args)
@@ -233,6 +236,38 @@ class Dispatcher:
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
         return self.propagator.make_call(op, leaves, shape, list(kwargs), positions)
+
+
+def _result_outside_mesh(entry: OpEntry, decision: Decision, call: UnwrappedCall) -> Any:
+    """The result on a rank outside the op's mesh, as torch gives it: no kernel and no collective
+    runs; each tensor output is a DTensor of the decided spec holding an empty piece (a 0-d zero for
+    a 0-d tensor); a bool is True (the answer of a comparison the rank takes no part in), other
+    values None. An in-place op returns its (empty) self."""
+    mesh = call.mesh
+    if decision.fallback:
+        raise NotImplementedError(
+            f"{entry.op} has no sharding rule, and rank {mesh.get_rank()} is not part of {mesh!r}, so the "
+            "replicate fallback cannot run there; register a rule for the op in spmd/tensor/ops/"
+        )
+    if decision.inplace:
+        if decision.reshapes_self and decision.output_specs[0] is not None:
+            call.args[0]._spec = decision.output_specs[0]
+        return call.args[0]
+
+    def empty(spec: DTensorSpec) -> DTensor:
+        shape = () if spec.ndim == 0 else (0,)
+        local = torch.zeros(shape, dtype=spec.tensor_meta.dtype, device=mesh.device_type)
+        return DTensor(local, spec, requires_grad=False)
+
+    returns = entry.op._schema.returns
+    specs = list(decision.output_specs) + [None] * max(0, len(returns) - len(decision.output_specs))
+    if len(returns) == 1 and isinstance(returns[0].type, torch.ListType):
+        return [empty(spec) for spec in specs if spec is not None]
+    results = [
+        empty(spec) if spec is not None else (True if str(ret.type) == "bool" else None)
+        for spec, ret in zip(specs, returns)
+    ]
+    return results[0] if len(returns) == 1 else tuple(results)
 
 
 def _refuse_write_into_copied_view(entry: OpEntry, call: UnwrappedCall) -> None:
