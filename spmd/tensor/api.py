@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +49,24 @@ def distribute_tensor(
     """
     device_mesh = device_mesh if device_mesh is not None else current_mesh()
     if isinstance(tensor, DTensor):
-        wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
-        if tensor.device_mesh != device_mesh or tensor.placements != wanted:
+        if tensor.device_mesh != device_mesh:
             raise ValueError(
-                f"distribute_tensor got a DTensor laid out as {tensor._spec}; use .redistribute() to change it"
+                f"distribute_tensor got a DTensor on {tensor.device_mesh!r}; it cannot move it to a different "
+                f"device mesh ({device_mesh!r}): redistribute on its own mesh, or build it on the other one"
+            )
+        wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
+        if tensor.placements != wanted:
+            raise ValueError(
+                f"distribute_tensor got a DTensor laid out as {tensor._spec}; it does not change it to a different "
+                f"placements {list(wanted)}: use .redistribute(placements=...) for that"
             )
         return tensor
+    if not tensor.is_leaf:
+        raise RuntimeError(
+            "distribute_tensor can only distribute leaf tensors (the result is a new leaf, so gradients would "
+            f"not reach this tensor's graph, grad_fn={type(tensor.grad_fn).__name__}); distribute the leaf, or "
+            "pass tensor.detach() to cut the graph on purpose"
+        )
     placements = _resolve_placements(device_mesh, placements, tensor.ndim)
     local = tensor.detach()
     if device_mesh.device_type != local.device.type and not local.is_meta:
@@ -121,9 +135,9 @@ def distribute_module(
             partition_fn(name, submodule, device_mesh)
         _replicate_leftovers(submodule, device_mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(_InputFnHook(input_fn, device_mesh))
+        module.register_forward_pre_hook(_InputFnHook(input_fn, device_mesh, _takes_module(input_fn, "input_fn")))
     if output_fn is not None:
-        module.register_forward_hook(_OutputFnHook(output_fn, device_mesh))
+        module.register_forward_hook(_OutputFnHook(output_fn, device_mesh, _takes_module(output_fn, "output_fn")))
     module._spmd_distributed = True  # type: ignore[assignment]
     return module
 
@@ -135,22 +149,47 @@ class _InputFnHook:
     A value rather than a closure, so that the module pickles and deep-copies.
     """
 
-    input_fn: Callable[[nn.Module, Any, DeviceMesh], Any]
+    input_fn: Callable[..., Any]
     mesh: DeviceMesh
+    with_module: bool = True
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...]) -> Any:
-        return self.input_fn(module, inputs, self.mesh)
+        if self.with_module:
+            return self.input_fn(module, inputs, self.mesh)
+        return self.input_fn(inputs, self.mesh)
 
 
 @dataclass(frozen=True, slots=True)
 class _OutputFnHook:
     """The forward hook ``distribute_module`` registers: ``output_fn(module, outputs, mesh)``."""
 
-    output_fn: Callable[[nn.Module, Any, DeviceMesh], Any]
+    output_fn: Callable[..., Any]
     mesh: DeviceMesh
+    with_module: bool = True
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...], outputs: Any) -> Any:
-        return self.output_fn(module, outputs, self.mesh)
+        if self.with_module:
+            return self.output_fn(module, outputs, self.mesh)
+        return self.output_fn(outputs, self.mesh)
+
+
+def _takes_module(fn: Callable[..., Any], role: str) -> bool:
+    """Whether ``fn`` has the ``(module, value, mesh)`` form; the older ``(value, mesh)`` one still
+    works, with a FutureWarning, as in torch."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: assume the current form
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) == 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        warnings.warn(
+            f"Deprecating {role} that takes two arguments ({role.split('_')[0]}s, device_mesh): "
+            f"give distribute_module a {role}(module, {role.split('_')[0]}s, device_mesh) instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def _replicate_leftovers(module: nn.Module, mesh: DeviceMesh) -> None:

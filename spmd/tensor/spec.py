@@ -170,7 +170,8 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tens
     if len(placements) != mesh.ndim:
         raise ValueError(
             f"{len(placements)} placements {format_placements(placements)} given for a {mesh.ndim}-d mesh "
-            f"{mesh}; give exactly one placement per mesh dim"
+            f"{mesh}; placements and the mesh's dims must have the same length: give exactly one "
+            "placement per mesh dim"
         )
     result: list[Placement] = []
     for p in placements:

@@ -65,8 +65,9 @@ def parallelize_module(
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_plan[{key!r}] must be a ParallelStyle such as ColwiseParallel(), got {style!r}")
         matches = resolve_plan_key(module, key)
-        if not matches:
-            raise ValueError(_no_match_message(module, key))
+        if not matches:  # a warning, as in torch: a plan shared by model variants may name optional modules
+            warnings.warn(_no_match_message(module, key), UserWarning, stacklevel=2)
+            continue
         for name, submodule in matches:
             _apply_style(style, submodule, name, key, device_mesh, src_data_rank, tp)
     return module

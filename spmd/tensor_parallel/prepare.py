@@ -34,6 +34,14 @@ def _as_tuple(style: str, name: str, layouts: Layouts) -> tuple[Placement | None
     raise TypeError(f"{style}({name}=...) takes a Placement or a tuple of Placement/None, got {layouts!r}")
 
 
+class LayoutCountError(ValueError, AssertionError):
+    """A style's given and desired layouts differ in length.
+
+    Also an ``AssertionError``, the type torch raises for it, so code written against either
+    library catches it.
+    """
+
+
 def _check_pairs(
     style: str,
     given_name: str,
@@ -46,9 +54,9 @@ def _check_pairs(
             raise ValueError(f"{style} got desired layouts {desired} without {given_name}; give both")
         return
     if desired is None or len(desired) != len(given):
-        raise ValueError(
-            f"{style}: {given_name} {given} and the desired layouts {desired} need one entry each per "
-            "tensor (None where a tensor is left alone)"
+        raise LayoutCountError(
+            f"{style}: {given_name} and desired_{given_name} should have same length! Got {given} and {desired}; "
+            "give one entry each per tensor (None where a tensor is left alone)"
         )
     for i, (g, d) in enumerate(zip(given, desired)):
         if g is None and d is not None:
@@ -116,7 +124,8 @@ class PrepareModuleInput(ParallelStyle):
         assert isinstance(given, tuple) and isinstance(self.desired_input_layouts, tuple)  # set in __post_init__
         if len(inputs) != len(given):
             raise ValueError(
-                f"{type(module).__name__} got {len(inputs)} positional inputs but {self!r} lays out {len(given)}"
+                f"module inputs and input_layouts should have same length! {type(module).__name__} got "
+                f"{len(inputs)} positional inputs but {self!r} lays out {len(given)}"
             )
         return tuple(
             _prepare(x, mesh, layout, desired, use_local=self.use_local_output,

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from spmd.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+    init_device_mesh,
+)
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing import DTensorTestBase, run_threaded, with_comms
 
 
 class DistributeTensorSourceTest(DTensorTestBase):
@@ -123,3 +132,35 @@ class RedistributeTorchCompatTest(DTensorTestBase):
             y.backward(grad)
         self.assertEqual(comm.get_total_counts(), 0)
         torch.testing.assert_close(x.grad.full_tensor(), torch.full((4, 3), 4.0))
+
+
+class TorchErrorAndWarningKindsTest(DTensorTestBase):
+    @with_comms
+    def test_distribute_tensor_errors_name_what_is_wrong(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        with self.assertRaisesRegex(ValueError, "must have the same length"):
+            distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        with self.assertRaisesRegex(RuntimeError, "distribute leaf tensor"):
+            distribute_tensor(torch.ones(4, 4, requires_grad=True) + 2, mesh, [Shard(0), Shard(1)])
+        d = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+        with self.assertRaisesRegex(ValueError, "to a different device mesh"):
+            distribute_tensor(d, init_device_mesh("cpu", (4,)), [Shard(0)])
+        with self.assertRaisesRegex(ValueError, "to a different placements"):
+            distribute_tensor(d, mesh, [Shard(0), Replicate()])
+
+    def test_two_argument_input_fn_still_works_with_a_future_warning(self) -> None:
+        # one rank: warnings are process-wide state that rank threads would race on
+        def distribute_with_old_hooks() -> torch.Tensor:
+            mesh = init_device_mesh("cpu", (1,))
+            with self.assertWarnsRegex(FutureWarning, "Deprecating input_fn"):
+                module = distribute_module(
+                    torch.nn.Linear(4, 2),
+                    mesh,
+                    input_fn=lambda inputs, mesh: DTensor.from_local(inputs[0], mesh, [Replicate()]),
+                    output_fn=lambda outputs, mesh: outputs.to_local(),
+                )
+            return module(torch.ones(3, 4))
+
+        (out,) = run_threaded(distribute_with_old_hooks, 1)
+        self.assertNotIsInstance(out, DTensor)
+        self.assertEqual(out.shape, torch.Size([3, 2]))
