@@ -164,14 +164,14 @@ class Partial(Placement):
 
     def __post_init__(self) -> None:
         if self.reduce_op == "prod":
-            object.__setattr__(self, "reduce_op", "product")
+            object.__setattr__(self, "reduce_op", _canonical_reduce_op(self.reduce_op))
         if self.reduce_op not in self.ALL_REDUCE_OPS:
             raise ValueError(
                 f"Partial({self.reduce_op!r}) is not supported; use one of {', '.join(self.ALL_REDUCE_OPS)}"
             )
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
-        return reduce_op is None or reduce_op == self.reduce_op
+        return reduce_op is None or _canonical_reduce_op(reduce_op) == self.reduce_op
 
     @property
     def is_linear(self) -> bool:
@@ -180,6 +180,15 @@ class Partial(Placement):
 
     def __str__(self) -> str:
         return f"P({self.reduce_op})"
+
+
+def _canonical_reduce_op(name: str) -> str:
+    """``name`` with ``"prod"`` (torch.prod's name) read as ``"product"``.
+
+    torch's Partial keeps ``"prod"`` as given, and its collectives then reject it; c10d knows only
+    ``"product"``, so spmd settles on that spelling when the placement is built.
+    """
+    return "product" if name == "prod" else name
 
 
 def chunk_length(size: int, num_chunks: int) -> int:

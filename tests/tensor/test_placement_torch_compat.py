@@ -39,6 +39,7 @@ def test_prod_is_read_as_product() -> None:
     assert Partial("prod").reduce_op == "product"
     assert repr(Partial("prod")) == "Partial(reduce_op='product')" and str(PRODUCT) == "P(product)"
     assert "product" in Partial.ALL_REDUCE_OPS and not PRODUCT.is_linear
+    assert PRODUCT.is_partial("prod") and PRODUCT.is_partial("product") and not PRODUCT.is_partial("sum")
     assert pickle.loads(pickle.dumps(Partial("prod"))) == PRODUCT
     assert copy.deepcopy(PRODUCT) == PRODUCT
 
