@@ -274,7 +274,9 @@ class DeviceMesh:
         ('dp_cp',)
         """
         if not self.mesh_dim_names:
-            raise RuntimeError("cannot flatten a DeviceMesh without mesh_dim_names; pass mesh_dim_names=... when building it")
+            raise RuntimeError(
+                "cannot flatten a DeviceMesh without mesh_dim_names; pass mesh_dim_names=... when building it"
+            )
         name = mesh_dim_name or "_".join(self.mesh_dim_names)
         if self.ndim == 1 and name == self.mesh_dim_names[0]:
             return self
@@ -330,11 +332,17 @@ class DeviceMesh:
         name = next((n for n, flat in registry.items() if flat == dims), None)
         if name is None:
             return None
-        coordinate = root._require_coordinate()
-        ranks = root.mesh[tuple(slice(None) if d in dims else coordinate[d] for d in range(root.ndim))]
-        ascending = sorted(dims)
-        group = tuple(ranks.permute([ascending.index(d) for d in dims]).flatten().tolist())
-        return self._world.communicator(group).on_mesh_dim(name)
+        return self._world.communicator(root._ranks_along(dims)).on_mesh_dim(name)
+
+    def _ranks_along(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The caller's group along ``dims`` (row-major over them), by arithmetic on the rank list:
+        no tensor op, so it also runs while torch.compile traces with fake tensors."""
+        coordinate = self._require_coordinate()
+        strides = [math.prod(self._shape[d + 1 :]) for d in range(self.ndim)]
+        offsets = [sum(coordinate[d] * strides[d] for d in range(self.ndim) if d not in dims)]
+        for d in dims:
+            offsets = [o + i * strides[d] for o in offsets for i in range(self._shape[d])]
+        return tuple(self._flat[o] for o in offsets)
 
     # ----- the current mesh ------------------------------------------------------------------------
     def __enter__(self) -> Self:

@@ -485,6 +485,8 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[Any, ...]:
         spec: DTensorSpec = ctx.spec
+        if spec.mesh.get_coordinate() is None:  # the rank held nothing of the tensor: its local gets no gradient
+            return (None,) * 7
         if ctx.grad_placements is not None:
             return redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements), *(None,) * 6
         target = grad_placements_for(spec.placements)
