@@ -30,7 +30,7 @@ def stable_cache_key(spec: DTensorSpec, local: torch.Tensor, requires_grad: bool
             groups.append((comm.group_handle(), tuple(comm.ranks)))
     meta = spec.tensor_meta
     payload = (
-        "spmd.DTensor",
+        "DTensor",
         tuple(str(p) for p in spec.placements),
         (tuple(meta.shape), tuple(meta.stride), str(meta.dtype)),
         (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, type(mesh._world).__name__),

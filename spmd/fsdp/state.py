@@ -150,7 +150,7 @@ def add_storage_resize_observer(observer: Callable[[torch.UntypedStorage], None]
     """Call ``observer(storage)`` after fully_shard frees or refills a gathered copy's storage.
 
     Resizing a storage is not an aten op, so dispatch modes do not see it; memory trackers
-    (``spmd.simulate``) follow these calls instead.
+    (the N-rank simulator) follow these calls instead.
     """
     _resize_observers.append(observer)
 

@@ -46,7 +46,7 @@ def _rank_entry(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(*args)
-        store.set(f"spmd/result/{rank}", pickle.dumps(result))  # type: ignore[arg-type]
+        store.set(f"dtensor/result/{rank}", pickle.dumps(result))  # type: ignore[arg-type]
         # No rank tears the group down while a peer still has gloo work in flight (that aborts
         # the process with "terminate called without an active exception").
         dist.barrier()
@@ -54,9 +54,9 @@ def _rank_entry(
         dist.destroy_process_group()
     # Nor does a rank exit (closing its gloo sockets) while a peer is still tearing down: the same
     # abort, seen now and then on a loaded machine. The store outlives the group.
-    store.add("spmd/torn_down", 1)
+    store.add("dtensor/torn_down", 1)
     deadline = time.monotonic() + timeout_s
-    while store.add("spmd/torn_down", 0) < world_size and time.monotonic() < deadline:
+    while store.add("dtensor/torn_down", 0) < world_size and time.monotonic() < deadline:
         time.sleep(0.01)
     # Leave without running interpreter-exit destructors of leftover c10d objects (gloo's threads
     # can abort there); the result is already in the store and output is flushed.
@@ -94,7 +94,7 @@ def run_multiprocess(
             if process.is_alive():
                 process.kill()
             process.join()
-    return [pickle.loads(store.get(f"spmd/result/{rank}")) for rank in range(world_size)]
+    return [pickle.loads(store.get(f"dtensor/result/{rank}")) for rank in range(world_size)]
 
 
 def _failure_report(context: Any, error: ProcessException) -> str:

@@ -302,12 +302,25 @@ class _Rewriter:
         roots = "|".join(sorted(re.escape(r) for r in self.mapping.owned_roots))
         dotted = re.compile(rf"(?<![\w.])(?:{roots})(?:\.{_IDENT})+")
         slashed = re.compile(rf"(?<![\w/.])(?:{roots})(?:/{_IDENT})+(?:\.py|/)?")
+        # ``from spmd import checkpoint`` in a docstring example: the package and the name together
+        from_import = re.compile(rf"\bfrom\s+((?:{roots})(?:\.{_IDENT})*)\s+import\s+({_IDENT})\b")
         for tok in self.src.tokens:
             if tok.type not in text_types:
                 continue
             base = self.src.tok_start(tok)
+            taken: list[tuple[int, int]] = []
+            for match in from_import.finditer(tok.string):
+                new = self.mapping.map_module(f"{match.group(1)}.{match.group(2)}")
+                if new is not None and "." in new and new.rpartition(".")[0] != self.mapping.map_module(match.group(1)):
+                    package, _, name = new.rpartition(".")
+                    self.edits.append(
+                        _Edit(base + match.start(), base + match.end(), f"from {package} import {name}")
+                    )
+                    taken.append(match.span())
             for pattern, mapper in ((dotted, self.mapping.map_module), (slashed, self.mapping.map_path)):
                 for match in pattern.finditer(tok.string):
+                    if any(start <= match.start() < end for start, end in taken):
+                        continue
                     new = mapper(match.group(0))
                     if new is not None and new != match.group(0):
                         self.edits.append(_Edit(base + match.start(), base + match.end(), new))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,8 @@ def export(dest: Path, *args: str) -> subprocess.CompletedProcess[str]:
         ('msg = "add a rule in spmd/tensor/ops/"  # see spmd.tensor.ops\n', 'msg = "add a rule in coretorch/distributed/_tensor/ops/"  # see coretorch.distributed._tensor.ops\n'),
         ('name = "spmd"; s = "spmd\'s mesh"\n', 'name = "spmd"; s = "spmd\'s mesh"\n'),
         ("import spmd.tensor\nx = spmd.tensor.DTensor\n", "import coretorch.distributed._tensor\nx = coretorch.distributed._tensor.DTensor\n"),
+        ('"""Example:\n    from spmd import checkpoint\n"""\n', '"""Example:\n    from coretorch.distributed import _checkpoint\n"""\n'),
+        ("# from spmd.tensor import DTensor\n", "# from coretorch.distributed._tensor import DTensor\n"),
     ],
 )
 def test_rewrites_absolute_imports_and_names(before: str, after: str) -> None:
@@ -143,6 +146,9 @@ def test_layout_and_no_original_imports_left(exported: Path) -> None:
                 assert all(a.name.split(".")[0] != "spmd" for a in node.names), path
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert (node.module or "").split(".")[0] != "spmd", path
+        # nor in text: docstrings, comments and messages name the new modules only
+        named = re.search(r"(?<![\w.])spmd(?:[./]\w)|\b(?:from|import)\s+spmd\b", path.read_text())
+        assert named is None, f"{path} still names {named.group(0)!r}"
 
 
 def test_exported_tests_pass_without_the_original_package(exported: Path) -> None:

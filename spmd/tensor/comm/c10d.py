@@ -79,8 +79,8 @@ def _peer_report(me: int, peers: list[int], waiting_in: str) -> str:
     """
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"spmd/timed_out/{me}", waiting_in)
-        keys = {peer: f"spmd/timed_out/{peer}" for peer in peers}
+        store.set(f"dtensor/timed_out/{me}", waiting_in)
+        keys = {peer: f"dtensor/timed_out/{peer}" for peer in peers}
         deadline = time.monotonic() + PEER_REPORT_WAIT_S
         while time.monotonic() < deadline and not all(store.check([key]) for key in keys.values()):
             time.sleep(0.05)

@@ -133,7 +133,7 @@ _KERNELS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tenso
     "broadcast": (_broadcast, _same_shape_fake),
     "scatter": (_scatter, _one_block_fake),
 }
-# Real meta tensors (spmd.simulate's worlds) run the backend too, which records the collective; only
+# Real meta tensors (the N-rank simulator's worlds) run the backend too, which records the collective; only
 # the compiler's fake tensors get the fake kernel. register_fake also claims the Meta key, so the
 # Meta kernel is registered after it.
 _meta_library = torch.library.Library("spmd", "IMPL", "Meta")  # type: ignore[no-untyped-call]

@@ -247,7 +247,7 @@ def pad_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
 def _check_ids_in_range(indices: torch.Tensor, num_embeddings: int) -> None:
     """Raise IndexError as plain torch does for an id outside the table (the masked lookup would
     return a zero row). Every rank holding these ids raises, so no rank is left in a collective."""
-    # Meta ids (spmd.simulate) hold no values to check; a compiled graph cannot branch on values.
+    # Meta ids (the N-rank simulator) hold no values to check; a compiled graph cannot branch on values.
     if indices.numel() == 0 or indices.is_meta or torch.compiler.is_compiling():
         return
     low, high = torch.stack(torch.aminmax(indices)).tolist()  # one read of the ids' range
