@@ -22,16 +22,10 @@ MODULE_PAIRS = {
     "torch.distributed.tensor.parallel": "spmd.tensor_parallel",
     "torch.distributed.tensor.debug": "spmd.tensor.debug",
     "torch.distributed.device_mesh": "spmd.tensor.device_mesh",
+    "torch.distributed.tensor.experimental": "spmd.tensor.experimental",
 }
 
 DIFFERENCES: dict[str, str] = {
-    # DTensor (spmd/tensor/dtensor.py)
-    "torch.distributed.tensor.DTensor.from_local": (
-        "no grad_placements= yet: the gradient of from_local keeps the forward's placements"
-    ),
-    "torch.distributed.tensor.DTensor.redistribute": (
-        "no forward_dtype= / backward_dtype= yet (casting around the collectives); cast before or after"
-    ),
     # parallel styles: frozen configs applied by apply(module, mesh, src_data_rank=, tp_mesh_dim=)
     "torch.distributed.tensor.parallel.ParallelStyle.src_data_rank": (
         "styles are frozen values: parallelize_module passes src_data_rank to apply() instead of setting it"

@@ -122,13 +122,60 @@ class DTensorSpec:
         meta = self.tensor_meta
         return DTensorSpec(self.mesh, self.placements, TensorMeta(meta.shape, meta.stride, dtype))
 
-    def num_shards(self, tensor_dim: int) -> int:
-        """How many pieces ``tensor_dim`` is cut into across the whole mesh."""
+    # ----- torch's DTensorSpec vocabulary (code written against torch reads these) ---------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.tensor_meta.stride
+
+    @property
+    def num_shards(self) -> int:
+        """How many distinct pieces the tensor is cut into across the whole mesh."""
         count = 1
         for size, p in zip(self.mesh.shape, self.placements):
-            if isinstance(p, Shard) and p.dim == tensor_dim:
+            if isinstance(p, Shard):
                 count *= size
         return count
+
+    @property
+    def num_shards_map(self) -> list[int]:
+        """For each tensor dim, how many pieces it is cut into."""
+        counts = [1] * self.ndim
+        for size, p in zip(self.mesh.shape, self.placements):
+            if isinstance(p, Shard):
+                counts[p.dim] *= size
+        return counts
+
+    @property
+    def dim_map(self) -> list[int]:
+        """For each tensor dim, the mesh dim sharding it, or -1 (one mesh dim per tensor dim at most)."""
+        owners = [-1] * self.ndim
+        for mesh_dim, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                if owners[p.dim] != -1:
+                    raise ValueError(
+                        f"{self}: tensor dim {p.dim} is sharded by mesh dims {owners[p.dim]} and {mesh_dim}; "
+                        "dim_map holds one mesh dim per tensor dim (read .placements instead)"
+                    )
+                owners[p.dim] = mesh_dim
+        return owners
+
+    @property
+    def sums(self) -> list[int]:
+        """The mesh dims holding a pending reduction (Partial)."""
+        return [d for d, p in enumerate(self.placements) if isinstance(p, Partial)]
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def is_sharded(self) -> bool:
+        return any(isinstance(p, Shard) for p in self.placements)
+
+    def is_partial(self) -> bool:
+        return self.has_partial
 
     @property
     def has_partial(self) -> bool:

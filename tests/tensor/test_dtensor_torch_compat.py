@@ -64,6 +64,17 @@ class DistributeTensorSourceTest(DTensorTestBase):
         torch.testing.assert_close(real.full_tensor(), torch.full((8, 3), 1.5))
 
 
+class PlainScalarTensorTest(DTensorTestBase):
+    @with_comms
+    def test_one_element_plain_tensors_act_as_scalars(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+        for scalar in (torch.tensor(2.0), torch.tensor([2.0]), torch.tensor([[2.0]])):
+            torch.testing.assert_close((x + scalar).full_tensor(), torch.arange(12.0).reshape(4, 3) + scalar)
+        with self.assertRaisesRegex(RuntimeError, "plain torch.Tensor of shape \\[3\\]"):
+            x + torch.ones(3)
+
+
 class FromLocalTest(DTensorTestBase):
     @with_comms
     def test_mesh_comes_from_the_entered_mesh(self) -> None:
@@ -164,3 +175,14 @@ class TorchErrorAndWarningKindsTest(DTensorTestBase):
         (out,) = run_threaded(distribute_with_old_hooks, 1)
         self.assertNotIsInstance(out, DTensor)
         self.assertEqual(out.shape, torch.Size([3, 2]))
+
+
+class SpecVocabularyTest(DTensorTestBase):
+    @with_comms
+    def test_dtensor_spec_reads_as_torchs(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        spec = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0), Partial()])._spec
+        self.assertIs(spec.device_mesh, mesh)
+        self.assertEqual((spec.shape, spec.stride, spec.ndim), ((4, 3), (3, 1), 2))
+        self.assertEqual((spec.num_shards, spec.num_shards_map, spec.dim_map, spec.sums), (2, [2, 1], [0, -1], [1]))
+        self.assertEqual((spec.is_sharded(), spec.is_partial(), spec.is_replicated()), (True, True, False))
