@@ -5,7 +5,8 @@ an op without a rule takes the replicate fallback (when on and safe) or raises `
 
 For every mesh dim the propagator costs each candidate as the bytes it would take to move every
 input from its current placement to the one the candidate needs (``redistribute_cost``) and keeps
-the cheapest; ties go to the rule's earlier candidate, so the choice is deterministic.
+the cheapest; among equally cheap ones, the one that needs the fewest collectives, then the rule's
+earlier candidate, so the choice is deterministic.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ class ShardingPropagator:
     ) -> Decision:
         """The complete decision for a call, given as flattened leaves (see call_layout.py).
 
-        ``fallback``: an op without a rule (or an in-place op whose rule cannot keep self's
-        layout) runs on replicated inputs, where that is safe, instead of raising.
+        ``fallback``: an op without a rule runs on replicated inputs, where that is safe, instead
+        of raising. An in-place op whose rule cannot keep self's placement raises, as in torch:
+        self cannot change its placement, and running it on gathered copies would hide that.
         """
         if fallback and entry.rule is None:
             if entry.no_fallback is None:
@@ -118,14 +120,7 @@ class ShardingPropagator:
                 f"{entry.no_fallback}; register a rule in spmd/tensor/ops/ or run the op on .to_local() tensors"
             )
         call = self.make_call(entry.op, leaves, shape, kwarg_names, positions)
-        try:
-            return self.decompose(call, entry) or self.decide(call, entry, plain_call=not shape)
-        except ShardingError:
-            # An in-place op whose rule cannot keep self's layout still runs: on whole tensors,
-            # written back into self's shard.
-            if fallback and entry.inplace and entry.no_fallback is None:
-                return self.fallback_decision(entry, leaves, positions, why="cannot keep self's placement")
-            raise
+        return self.decompose(call, entry) or self.decide(call, entry, plain_call=not shape)
 
     def fallback_decision(self, entry: OpEntry, leaves: Sequence[Any], positions: Sequence[int], *, why: str) -> Decision:
         """Every input replicated, the op run on whole tensors, outputs Replicate (warned once per op)."""
@@ -245,18 +240,24 @@ class ShardingPropagator:
         for d in range(mesh.ndim):
             allowed = [(c, cost) for c, cost in self.score(call, candidates, d) if cost is not None]
             if not allowed:
-                what = "in-place " if entry.inplace else ""
-                raise ShardingError(
-                    f"{what}{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
-                    f"(candidates: {'; '.join(str(c) for c in candidates) or 'none'}); "
-                    + (
-                        "an in-place op keeps its self placement, so redistribute self first"
-                        if entry.inplace
-                        else "redistribute the inputs to a layout the op supports"
+                tried = "; ".join(str(c) for c in candidates) or "none"
+                if entry.inplace:
+                    # torch's wording, so code that catches torch's error catches this one
+                    raise ShardingError(
+                        f"{call.op}: in-place operations that require placement changes are not supported. "
+                        f"The input has placement {format_placements(specs[0].placements)} (inputs "
+                        f"{_describe_inputs(specs)}), but no strategy keeps it on mesh dim {d} (candidates: "
+                        f"{tried}). Use the out-of-place op (x = op(x, ...)) or redistribute self first."
                     )
+                raise ShardingError(
+                    f"{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
+                    f"(candidates: {tried}); redistribute the inputs to a layout the op supports"
                 )
-            # min() keeps the first of equal costs: the rule's order breaks ties.
-            best, best_cost = min(allowed, key=lambda item: item[1] or 0.0)
+            # Of the candidates that move the fewest bytes, the one with the fewest collectives (one
+            # all_reduce, not two reduce_scatters); min() keeps the first of equals: the rule's order.
+            least = min(cost or 0.0 for _, cost in allowed)
+            cheapest = [item for item in allowed if (item[1] or 0.0) <= least * (1 + 1e-9) + 1e-12]
+            best, best_cost = min(cheapest, key=lambda item: _collectives(specs, item[0], d))
             chosen.append(best)
             total += best_cost or 0.0
         input_placements = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
@@ -297,6 +298,17 @@ class ShardingPropagator:
             reshapes_self=entry.inplace and entry.inplace_view,
             simple=simple,
         )
+
+
+def _collectives(specs: Sequence[DTensorSpec], candidate: OpStrategy, mesh_dim: int) -> int:
+    """How many inputs the candidate moves with a collective on ``mesh_dim`` (from R is local)."""
+    if specs[0].mesh.shape[mesh_dim] == 1:
+        return 0
+    return sum(
+        1
+        for s, want in zip(specs, candidate.inputs)
+        if s.placements[mesh_dim] != want and not isinstance(s.placements[mesh_dim], Replicate)
+    )
 
 
 def _output_placement(candidate: OpStrategy, index: int, call: OpCall) -> Placement:

@@ -90,8 +90,8 @@ class DispatchTest(DTensorTestBase):
             torch.testing.assert_close(result.full_tensor(), expected)
         with CommDebugMode() as comm:
             activated = torch.relu(p)
-        # reduce_scatter is cheaper than all_reduce, so the output comes out sharded
-        self.assertEqual(comm.get_comm_counts(), {"reduce_scatter": 1})
+        # as in torch, no input is sharded, so the pending sum is completed to R (not scattered onto a new shard)
+        self.assertEqual((comm.get_comm_counts(), activated.placements), ({"all_reduce": 1}, (Replicate(),)))
         torch.testing.assert_close(activated.full_tensor(), torch.relu(full))
 
     @with_comms
@@ -116,16 +116,17 @@ class DispatchTest(DTensorTestBase):
         torch.testing.assert_close(x.full_tensor(), (full + other) * 2)
 
     @with_comms
-    def test_in_place_op_that_needs_another_layout_runs_on_the_whole_tensor(self) -> None:
+    def test_in_place_op_that_needs_another_layout_raises_as_in_torch(self) -> None:
         mesh = init_device_mesh("cpu", (4,))
         full = randn(4, 4)
         x = make_dtensor(full, mesh, [Partial()])
-        with CommDebugMode() as comm:
-            returned = x.relu_()  # relu of a partial needs the reduced value
-        self.assertIs(returned, x)
-        self.assertEqual(x.placements, (Partial(),))
-        self.assertEqual(comm.get_comm_counts(), {"all_reduce": 1})
-        torch.testing.assert_close(x.full_tensor(), torch.relu(full))
+        with CommDebugMode() as comm, self.assertRaisesRegex(
+            RuntimeError, "in-place operations that require placement changes are not supported"
+        ):
+            x.relu_()  # relu of a partial needs the reduced value, and self cannot change placement
+        self.assertEqual((comm.get_total_counts(), x.placements), (0, (Partial(),)))
+        torch.testing.assert_close(x.full_tensor(), full)  # untouched
+        torch.testing.assert_close(x.relu().full_tensor(), torch.relu(full))  # the out-of-place op works
 
     @with_comms
     def test_plain_tensor_operands_are_rejected_with_a_fix(self) -> None:

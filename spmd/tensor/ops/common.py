@@ -66,7 +66,10 @@ def pointwise_candidates(call: OpCall, *, linearity: str = "none", output_index:
     specs = call.input_specs
     n = len(specs)
     candidates = [OpStrategy((R,) * n, (R,))]
-    for out_dim in range(out_ndim):
+    # The output follows its inputs' layout: with no input sharded, a pending reduction the op
+    # cannot pass through is completed to R (as torch does), not reduce-scattered onto a new shard.
+    sharded_inputs = any(isinstance(p, Shard) for spec in specs for p in spec.placements)
+    for out_dim in range(out_ndim if sharded_inputs else 0):
         inputs: list[Placement] = []
         sharded = False
         for spec in specs:

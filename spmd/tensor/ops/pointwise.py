@@ -6,7 +6,11 @@ Algebra (per mesh dim, broadcasting aligned from the right):
   add, sub, rsub:  S(d) x S(d) -> S(d); P x P -> P (sum with a scalar operand only for avg)
   log_sigmoid_forward -> (out, buffer), log_sigmoid_backward (grad, x, buffer): pointwise (the backward
               linear in grad); a buffer that is not x-shaped (CUDA leaves it empty) is R
-  fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> same P (every rank holds v); v a DTensor must be R
+  fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> same P (every rank holds v); P(sum) -> R;
+              v a DTensor must be R
+  fill_(x, v): p -> p, a sum-partial holding v on coordinate 0 (x's values are never read: no traffic)
+  maximum:    P(max) x P(max) -> P(max); P(max|min) x R -> same P; R x P alike (monotone in each operand);
+              minimum alike with P(min) x P(min) -> P(min); clamp_min/clamp_max with a tensor bound alike
   mul:        P x R -> P; R x P -> P
   div:        P x R -> P
   frexp:      S(d) -> S(d), S(d) (mantissa, exponent)
@@ -17,12 +21,14 @@ Algebra (per mesh dim, broadcasting aligned from the right):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from spmd.tensor.ops.common import LINEAR_PARTIALS, R, normalize_dim, pointwise_candidates
+from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, pointwise_candidates
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
+from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 SUM = Partial("sum")
@@ -43,7 +49,7 @@ UNARY_OPS = [
     "special_ndtr",
 ]
 BINARY_NONLINEAR_OPS = [
-    "maximum", "minimum", "pow", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "logical_and", "logical_or",
+    "pow", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "logical_and", "logical_or",
     "remainder", "fmod", "bitwise_and", "bitwise_or", "bitwise_xor", "floor_divide", "addcmul", "addcdiv",
     "lerp", "hypot", "copysign", "xlogy", "fmax", "fmin", "heaviside", "logaddexp", "nextafter",
     "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward", "mish_backward",
@@ -77,8 +83,16 @@ def _packets(names: Sequence[str], *, modes: bool = True) -> list[object]:
     return found
 
 
+# clamp_min/clamp_max with a tensor bound are maximum/minimum (see their rules below)
+_TENSOR_BOUND_CLAMPS = {aten.clamp_min.Tensor, aten.clamp_min_.Tensor, aten.clamp_max.Tensor, aten.clamp_max_.Tensor}
+
+
 @register_rule(
-    *_packets(UNARY_OPS + BINARY_NONLINEAR_OPS + ["threshold", "gelu_backward", "sigmoid_backward", "tanh_backward"]),
+    *(
+        op
+        for op in _packets(UNARY_OPS + BINARY_NONLINEAR_OPS + ["threshold", "gelu_backward", "sigmoid_backward", "tanh_backward"])
+        if op not in _TENSOR_BOUND_CLAMPS
+    ),
     aten.div.Tensor_mode,
     aten.div.Scalar_mode,
     aten.div_.Tensor_mode,
@@ -89,6 +103,31 @@ def _packets(names: Sequence[str], *, modes: bool = True) -> list[object]:
 def nonlinear_rule(call: OpCall) -> Sequence[OpStrategy]:
     """f(S(d), ...) -> S(d): partial inputs are reduced before the op."""
     return pointwise_candidates(call)
+
+
+def _extremum_candidates(call: OpCall, keeps: str) -> list[OpStrategy]:
+    """maximum/minimum are monotone in each operand, so a max- or min-partial passes through when
+    the other operand is replicated, and ``keeps`` (max for maximum) passes when both are partial."""
+    candidates = pointwise_candidates(call)
+    n = len(call.input_specs)
+    for op in ("max", "min"):
+        p = Partial(op)
+        candidates += [OpStrategy(tuple(p if j == i else R for j in range(n)), (p,)) for i in range(n)]
+    if n == 2:
+        candidates.append(OpStrategy((Partial(keeps),) * 2, (Partial(keeps),)))
+    return candidates
+
+
+@register_rule(*_packets(["maximum"]), aten.clamp_min.Tensor, aten.clamp_min_.Tensor, float_values_matter=False)
+def maximum_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x S(d) -> S(d); P(max) x P(max) -> P(max); P(max|min) x R -> same P (and R x P)."""
+    return _extremum_candidates(call, "max")
+
+
+@register_rule(*_packets(["minimum"]), aten.clamp_max.Tensor, aten.clamp_max_.Tensor, float_values_matter=False)
+def minimum_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """S(d) x S(d) -> S(d); P(min) x P(min) -> P(min); P(max|min) x R -> same P (and R x P)."""
+    return _extremum_candidates(call, "min")
 
 
 @register_rule(*_packets(["add", "sub", "rsub"]), float_values_matter=False)
@@ -139,13 +178,34 @@ def log_sigmoid_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     return [OpStrategy((c.inputs[0], c.inputs[1], R), c.outputs) for c in candidates]
 
 
-@register_rule(*_packets(["fill"]), float_values_matter=False)
+@register_rule(aten.fill.Scalar, aten.fill.Tensor, float_values_matter=False)
 def fill_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> P (v on every rank); a DTensor v is R."""
+    """fill(x, v): S(d) -> S(d); R -> R; P(avg|max|min) -> P; P(sum) -> R (a new tensor; x's values
+    are never read, so nothing moves); a DTensor v is R."""
     ndim = call.input_specs[0].ndim
     value = (R,) * (len(call.input_specs) - 1)  # fill.Tensor's 0-d value, when it is a DTensor
-    # Not P(sum): v on every rank would add up to n * v.
     options: list[Placement] = [R, *(Shard(d) for d in range(ndim)), *(Partial(op) for op in ("avg", "max", "min"))]
+    return [OpStrategy((p, *value), (p,)) for p in options] + [OpStrategy((SUM, *value), (R,))]
+
+
+def _fill_in_place(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    """fill_ writes v on every rank, except where self is a pending sum: there v goes to mesh
+    coordinate 0 and zeros elsewhere, so the sum is v (one device's fill), not n * v."""
+    local: torch.Tensor = op(*args, **kwargs)
+    coordinate = inputs[0].mesh.get_coordinate()
+    assert coordinate is not None
+    if any(p == SUM and c != 0 for p, c in zip(inputs[0].placements, coordinate)):
+        local.zero_()
+    return local
+
+
+@register_rule(aten.fill_.Scalar, aten.fill_.Tensor, local_impl=_fill_in_place, float_values_matter=False)
+def fill_in_place_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """fill_(x, v): p -> p for every placement (a sum-partial gets v on coordinate 0 only); v is R."""
+    value = (R,) * (len(call.input_specs) - 1)
+    options: list[Placement] = [R, *(Shard(d) for d in range(call.input_specs[0].ndim)), *PARTIALS]
     return [OpStrategy((p, *value), (p,)) for p in options]
 
 

@@ -1,0 +1,111 @@
+"""Ops where PyTorch's own DTensor tests pin a behaviour: values equal plain torch, and the
+placements and collectives are torch's (never more traffic)."""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.debug import CommDebugMode
+from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.testing.layouts import make_dtensor
+
+R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+SUM, AVG, MAX, MIN = Partial("sum"), Partial("avg"), Partial("max"), Partial("min")
+
+
+class FillOfAPartialTest(DTensorTestBase):
+    @with_comms
+    def test_fill_in_place_of_a_pending_sum_equals_one_device_fill_without_traffic(self) -> None:
+        """fill_ keeps self's P(sum) and the sum is the fill value (not world_size times it)."""
+        mesh = init_device_mesh("cpu", (4,))
+        for value in (8.0, torch.tensor(-2.5)):
+            x = make_dtensor(seeded_randn(4, 8), mesh, [SUM])
+            with CommDebugMode() as comm:
+                returned = torch.fill_(x, value)
+            self.assertIs(returned, x)
+            self.assertEqual((comm.get_total_counts(), x.placements), (0, (SUM,)))
+            torch.testing.assert_close(x.full_tensor(), torch.full((4, 8), float(value)))
+
+    @with_comms
+    def test_fill_in_place_on_a_2d_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        for layout in ([SUM, SUM], [SUM, S1], [MAX, SUM], [AVG, S0], [S0, MIN]):
+            x = make_dtensor(seeded_randn(4, 6), mesh, layout)
+            with CommDebugMode() as comm:
+                x.fill_(3.0)
+            self.assertEqual((comm.get_total_counts(), x.placements), (0, tuple(layout)))
+            torch.testing.assert_close(x.full_tensor(), torch.full((4, 6), 3.0))
+
+    @with_comms
+    def test_fill_out_of_place_of_a_pending_sum_is_replicated_without_traffic(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = make_dtensor(seeded_randn(4, 8), mesh, [SUM])
+        with CommDebugMode() as comm:
+            out = torch.ops.aten.fill.Scalar(x, 1.5)
+        self.assertEqual((comm.get_total_counts(), out.placements), (0, (R,)))
+        torch.testing.assert_close(out.full_tensor(), torch.full((4, 8), 1.5))
+
+
+class InPlacePlacementChangeTest(DTensorTestBase):
+    @with_comms
+    def test_in_place_op_that_would_change_self_placement_raises_torch_error(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        x = DTensor.from_local(torch.tensor(64.0), mesh, [SUM])
+        with self.assertRaisesRegex(RuntimeError, "in-place operations that require placement changes are not supported"):
+            x.clamp_(max=10)
+        self.assertEqual(x.placements, (SUM,))
+        torch.testing.assert_close(x.full_tensor(), torch.tensor(256.0))  # untouched
+        torch.testing.assert_close(x.clamp(max=10).full_tensor(), torch.tensor(10.0))
+
+
+class PartialPointwiseTest(DTensorTestBase):
+    @with_comms
+    def test_sum_partial_times_sum_partial_is_one_all_reduce(self) -> None:
+        """P * P: one operand is all-reduced, the other stays partial (P x R -> P), as in torch."""
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = seeded_randn(6, 4, seed=1), seeded_randn(6, 4, seed=2)
+        x, y = make_dtensor(a, mesh, [SUM]), make_dtensor(b, mesh, [SUM])
+        with CommDebugMode() as comm:
+            z = x * y
+        self.assertEqual(comm.get_comm_counts(), {"all_reduce": 1})
+        self.assertEqual(z.placements, (SUM,))
+        torch.testing.assert_close(z.full_tensor(), a * b)
+
+    @with_comms
+    def test_max_partial_times_replicate_is_reduced_to_replicate(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = seeded_randn(8, 8, seed=1), seeded_randn(8, 8, seed=2)
+        x, y = make_dtensor(a, mesh, [MAX]), distribute_tensor(b, mesh, [R])
+        with CommDebugMode() as comm:
+            z = x * y
+        self.assertEqual((comm.get_comm_counts(), z.placements), ({"all_reduce": 1}, (R,)))
+        torch.testing.assert_close(z.full_tensor(), a * b)
+
+    @with_comms
+    def test_a_partial_next_to_a_shard_is_reduce_scattered(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = seeded_randn(8, 8, seed=1), seeded_randn(8, 8, seed=2)
+        x, y = make_dtensor(a, mesh, [SUM]), distribute_tensor(b, mesh, [S0])
+        with CommDebugMode() as comm:
+            z = x * y
+        self.assertEqual((comm.get_comm_counts(), z.placements), ({"reduce_scatter": 1}, (S0,)))
+        torch.testing.assert_close(z.full_tensor(), a * b)
+
+    @with_comms
+    def test_maximum_and_minimum_keep_max_and_min_partials(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = seeded_randn(8, 8, seed=1), seeded_randn(8, 8, seed=2)
+        for op, kept in [(torch.maximum, MAX), (torch.minimum, MIN)]:
+            for left, right in [(kept, kept), (MAX, R), (R, MIN), (MIN, R)]:
+                x, y = make_dtensor(a, mesh, [left]), make_dtensor(b, mesh, [right])
+                with CommDebugMode() as comm:
+                    z = op(x, y)
+                self.assertEqual(comm.get_total_counts(), 0, (op, left, right))
+                self.assertEqual(z.placements, (left if left != R else right,))
+                torch.testing.assert_close(z.full_tensor(), op(a, b))
+        x, y = make_dtensor(a, mesh, [MIN]), make_dtensor(b, mesh, [MIN])
+        with CommDebugMode() as comm:
+            z = torch.maximum(x, y)  # one operand reduced: maximum(P(min), R) is still a min-partial
+        self.assertEqual((comm.get_comm_counts(), z.placements), ({"all_reduce": 1}, (MIN,)))
+        torch.testing.assert_close(z.full_tensor(), torch.maximum(a, b))
