@@ -4,6 +4,7 @@ ranks out (those ranks hold empty pieces and run nothing)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spmd.tensor import (
@@ -21,6 +22,7 @@ from spmd.tensor import (
 )
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, with_comms
+from spmd.testing.multiprocess import run_multiprocess
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
@@ -224,3 +226,21 @@ class RanksOutsideTheMeshTest(DTensorTestBase):
         if not self.in_mesh():
             with self.assertRaisesRegex(RuntimeError, "is not part of"):
                 mesh.get_local_rank()
+
+
+# ----- the same on gloo process groups (one process per rank) -------------------------------------
+def _flatten_and_leave_ranks_out_on_gloo() -> list[int]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh._flatten("ab")  # every rank joins the new group (c10d's new_group is collective)
+    partial = DTensor.from_local(torch.ones(4, 4), mesh, [Partial(), Partial()])
+    with CommDebugMode() as comm:
+        assert_same(partial.redistribute(mesh, [Replicate(), Replicate()]).to_local(), torch.ones(4, 4) * 4)
+    pair = DeviceMesh("cpu", [0, 2])
+    gathered = distribute_tensor(torch.arange(4.0), pair, [Shard(0)]).full_tensor()
+    return [comm.get_total_counts(), gathered.numel()]
+
+
+@pytest.mark.multiprocess
+def test_flatten_and_ranks_outside_a_mesh_on_gloo() -> None:
+    counts = run_multiprocess(_flatten_and_leave_ranks_out_on_gloo, 4)
+    assert counts == [[1, 4], [1, 0], [1, 4], [1, 0]]
