@@ -6,6 +6,7 @@ Products are written as einsum signatures; each index letter gives one candidate
   plus R x ... x R -> R, and one operand P(sum|avg) with the others R -> the same P.
   mm "mk,kn->mn":  S(0) x R -> S(0);  R x S(1) -> S(1);  S(1) x S(0) -> P(sum)
   bmm "bmk,bkn->bmn", mv "mk,k->m", dot "k,k->"
+  linear "...k,nk->...n" (inference mode reaches it whole): the product's candidates, bias as addmm's
   addmm / addmv / baddbmm:  the product's candidates; bias follows the output (broadcast dims R,
        P output -> P bias, so the bias is added once)
   attention (q, k, v):  batch/heads S(d) on all -> S(d) (grouped kv heads only if they split
@@ -123,6 +124,28 @@ def addmv_rule(call: OpCall) -> Sequence[OpStrategy]:
 def baddbmm_rule(call: OpCall) -> Sequence[OpStrategy]:
     """baddbmm: bmm's candidates; bias follows the output (R where broadcast, P for P)."""
     return with_bias(call, contraction_candidates(("bmk", "bkn"), "bmn"))
+
+
+@register_rule(aten.linear.default)
+def linear_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """linear(x (*, k), w (n, k), b (n)): x S(batch) -> S(batch); w S(0) -> S(last); x S(-1) x w S(1)
+    -> P(sum); a P operand with the others R -> P; the bias follows the output (P for P: added once)."""
+    x, w = call.input_specs[:2]
+    batch = "abcdefghij"[: x.ndim - 1]
+    out_letter = "n" if w.ndim == 2 else ""
+    product = contraction_candidates((batch + "k", out_letter + "k"), batch + out_letter)
+    if len(call.input_specs) == 2:  # no bias, or a plain 0-d one every rank adds (not to a partial)
+        bias = call.arg(2, "bias")
+        return product if bias is None else [c for c in product if not isinstance(c.outputs[0], Partial)]
+    meta = call.output_metas[0]
+    assert meta is not None
+    bias_shape = call.input_specs[2].shape
+    candidates = []
+    for c in product:
+        out = c.outputs[0]
+        assert out is not None
+        candidates.append(OpStrategy((*c.inputs, broadcast_placement(bias_shape, meta.shape, out)), c.outputs))
+    return candidates
 
 
 # ----- attention -----------------------------------------------------------------------------------

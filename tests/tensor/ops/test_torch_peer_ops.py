@@ -109,3 +109,37 @@ class PartialPointwiseTest(DTensorTestBase):
             z = torch.maximum(x, y)  # one operand reduced: maximum(P(min), R) is still a min-partial
         self.assertEqual((comm.get_comm_counts(), z.placements), ({"all_reduce": 1}, (MIN,)))
         torch.testing.assert_close(z.full_tensor(), torch.maximum(a, b))
+
+
+class LinearTest(DTensorTestBase):
+    @with_comms
+    def test_aten_linear_keeps_shards_without_traffic(self) -> None:
+        """Under inference mode F.linear reaches DTensor as aten.linear: it needs a rule, not a gather."""
+        mesh = init_device_mesh("cpu", (4,))
+        x_full, w_full, b_full = seeded_randn(2, 6, 16, seed=1), seeded_randn(8, 16, seed=2), seeded_randn(8, seed=3)
+        for x_layout, w_layout, b_layout, expected in [
+            (R, S0, S0, S2),  # column-wise: out features sharded
+            (R, S0, None, S2),
+            (S0, R, R, S0),  # batch sharded
+            (S1, R, None, S1),
+            (S2, S1, R, SUM),  # row-wise: the contraction is sharded, the bias is added once
+        ]:
+            x, w = distribute_tensor(x_full, mesh, [x_layout]), distribute_tensor(w_full, mesh, [w_layout])
+            b = None if b_layout is None else distribute_tensor(b_full, mesh, [b_layout])
+            with torch.inference_mode(), CommDebugMode() as comm:
+                out = torch.nn.functional.linear(x, w, b)
+            self.assertEqual((comm.get_total_counts(), out.placements), (0, (expected,)))
+            reference = torch.nn.functional.linear(x_full, w_full, None if b is None else b_full)
+            torch.testing.assert_close(out.full_tensor(), reference)
+
+    @with_comms
+    def test_aten_linear_on_a_2d_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        x_full, w_full, b_full = seeded_randn(4, 6, 8, seed=1), seeded_randn(10, 8, seed=2), seeded_randn(10, seed=3)
+        x = distribute_tensor(x_full, mesh, [S0, R])
+        w = distribute_tensor(w_full, mesh, [R, S0])
+        b = distribute_tensor(b_full, mesh, [R, S0])
+        with torch.inference_mode(), CommDebugMode() as comm:
+            out = torch.nn.functional.linear(x, w, b)
+        self.assertEqual((comm.get_total_counts(), out.placements), (0, (S0, S2)))
+        torch.testing.assert_close(out.full_tensor(), torch.nn.functional.linear(x_full, w_full, b_full))
