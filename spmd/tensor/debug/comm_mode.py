@@ -1,13 +1,16 @@
-"""CommDebugMode: count the collectives (and bytes) DTensor issues, in total, per op and per module.
+"""CommDebugMode: count the collectives (and bytes) a program issues, in total, per op and per module.
 
-Per-module counts use the modules' fully qualified names (``Transformer.layers.0.attn``), in the
-forward and the backward pass; a collective counts for every module that is running around it.
+It counts the collectives DTensor issues and those the program calls through torch itself
+(``funcol.all_reduce``, ``torch.distributed.all_gather_into_tensor`` ...). Per-module counts use the
+modules' fully qualified names (``Transformer.layers.0.attn``), in the forward and the backward
+pass; a collective counts for every module that is running around it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -20,58 +23,23 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from typing_extensions import Self
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
+from spmd.tensor.debug.torch_collectives import (
+    TorchCollectiveWatch,
+    collective_kind,
+    collective_kind_or_none,
+    torch_collective_record,
+)
 from spmd.tensor.trace import STATE, current_op, current_rank_or_none, human_bytes
 
 __all__ = ["CommDebugMode", "CommEvent", "CommCounts", "collective_kind"]
 
 GLOBAL = "Global"
 
-# torch's names for each collective: its functional collectives (python functions and the
-# ``_c10d_functional`` / ``c10d_functional`` ops), the c10d ops and DTensor's own all_to_all.
-_TORCH_NAMES: dict[str, tuple[str, ...]] = {
-    "all_gather": (
-        "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_into_tensor",
-        "all_gather_into_tensor_coalesced", "allgather_", "_allgather_base_", "allgather_coalesced_",
-        "allgather_into_tensor_coalesced_",
-    ),
-    "all_reduce": ("all_reduce", "all_reduce_coalesced", "allreduce_", "allreduce_coalesced_"),
-    "reduce_scatter": (
-        "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced",
-        "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
-    ),
-    "all_to_all": ("all_to_all_single", "all_to_all_single_autograd", "alltoall_", "alltoall_base_",
-                   "shard_dim_alltoall"),
-    "broadcast": ("broadcast", "broadcast_"),
-    "scatter": ("scatter_",),
-    "gather": ("gather_",),
-    "reduce": ("reduce_",),
-}
-_KIND_OF_TORCH_NAME = {name: kind for kind, names in _TORCH_NAMES.items() for name in names}
-KINDS = (*_TORCH_NAMES, "all_gather_object")
-"""Every collective kind a CommDebugMode can count."""
-
-
-def collective_kind(key: object) -> str:
-    """Our name of a collective given by our name (``"all_gather"``) or by torch's op or function.
-
-    ``funcol.all_gather_into_tensor``, ``torch.ops.c10d_functional.all_gather_into_tensor`` (or
-    an overload of it) and ``torch.ops.c10d._allgather_base_`` all give ``"all_gather"``, so
-    counts read the way torch's ``CommDebugMode`` tests read them.
-    """
-    if isinstance(key, str):
-        if key in KINDS:
-            return key
-        raise KeyError(f"{key!r} is not a collective CommDebugMode counts; the kinds are {', '.join(KINDS)}")
-    packet = getattr(key, "_overloadpacket", key)
-    qualified = getattr(packet, "_qualified_op_name", None)
-    name = qualified.split("::")[-1] if isinstance(qualified, str) else getattr(packet, "__name__", None)
-    if name in _KIND_OF_TORCH_NAME:
-        return _KIND_OF_TORCH_NAME[name]
-    raise KeyError(f"{key!r} is not a collective CommDebugMode counts; the kinds are {', '.join(KINDS)}")
-
 
 class CommCounts(dict[str, int]):
     """Counts by collective kind, keyed by our names but readable with torch's ops as keys too.
+
+    They also compare equal to a dict keyed by torch's ops (``{funcol.all_reduce: 1}``).
 
     A collective that did not happen reads as 0, as in torch's ``CommDebugMode``.
     """
@@ -91,6 +59,34 @@ class CommCounts(dict[str, int]):
             return super().get(collective_kind(key), default)
         except KeyError:
             return default
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any mapping with the same nonzero counts, whichever names its keys use.
+
+        ``{funcol.all_reduce: 1}``, ``{torch.ops.c10d_functional.all_reduce: 1}`` and ``{"all_reduce": 1}``
+        all equal the counts of one all_reduce.
+        """
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        theirs = _nonzero_by_kind(other)
+        return theirs is not None and theirs == _nonzero_by_kind(self)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # counts change; as for any dict
+
+
+def _nonzero_by_kind(counts: Mapping[Any, int]) -> dict[str, int] | None:
+    """``counts`` summed by our kind names, zeros left out; None if a key names no collective."""
+    totals: Counter[str] = Counter()
+    for key, count in counts.items():
+        kind = collective_kind_or_none(key)
+        if kind is None:
+            return None
+        totals[kind] += count
+    return {kind: count for kind, count in totals.items() if count}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +109,15 @@ class _ModuleStack:
     def __init__(self) -> None:
         self.stack: list[str] = []
         self.backward_depth = 0
+        self.backward_base: int | None = None
+        """Length of the stack when the running backward pass pushed its first module; None outside one."""
         self.names: WeakKeyDictionary[nn.Module, str] = WeakKeyDictionary()
+
+    def reset(self) -> None:
+        """Forget the running modules (a pass that ended without a trace, a mode entered again)."""
+        self.stack.clear()
+        self.backward_depth = 0
+        self.backward_base = None
 
     def name_of(self, module: nn.Module) -> str:
         name = self.names.get(module)
@@ -129,7 +133,9 @@ class _ModuleStack:
 class CommDebugMode:
     """Records every collective the calling rank issues while active.
 
-    In a threaded world each rank enters its own mode and sees only its own collectives.
+    That is the collectives DTensor issues and the ones the program calls through torch (functional
+    collectives, ``torch.distributed.*``). In a threaded world each rank enters its own mode and sees
+    only its own collectives. Entering the mode again starts its counts and parameter info afresh.
 
     >>> with CommDebugMode() as comm_mode:  # doctest: +SKIP
     ...     y = x.redistribute(mesh, [Replicate()])
@@ -144,15 +150,20 @@ class CommDebugMode:
         self._modules = _ModuleStack()
         self._handles: list[Any] = []
         self._parameters: dict[str, dict[str, torch.Tensor]] = {}
+        self._torch_watch: TorchCollectiveWatch | None = None
 
     # ----- context manager -------------------------------------------------------------------------
     def __enter__(self) -> Self:
+        # Each entry starts afresh, as torch's does: counts, and the parameters of the modules that run.
         self.events = []
         self._parameters = {}
+        self._modules.reset()
         self._rank = current_rank_or_none()
         self._thread = threading.get_ident()
         add_comm_observer(self._observe)
         self._handles = [register_module_forward_pre_hook(self._enter_module)]
+        self._torch_watch = TorchCollectiveWatch(self._observe_torch_collective)
+        self._torch_watch.__enter__()  # type: ignore[no-untyped-call]
         STATE.comm_modes += 1
         STATE.refresh()
         return self
@@ -160,6 +171,9 @@ class CommDebugMode:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._torch_watch is not None:
+            self._torch_watch.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+            self._torch_watch = None
         remove_comm_observer(self._observe)
         for handle in self._handles:
             handle.remove()
@@ -204,8 +218,20 @@ class CommDebugMode:
             register_multi_grad_hook(tensors, lambda grads: self._push_backward(name), mode="any")
 
     def _push_backward(self, name: str) -> None:
-        self._modules.stack.append(name)
-        self._modules.backward_depth += 1
+        modules = self._modules
+        if modules.backward_base is None:
+            # A module whose inputs need no gradient never pops; the pass's end clears what is left.
+            modules.backward_base = len(modules.stack)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        modules.stack.append(name)
+        modules.backward_depth += 1
+
+    def _end_backward(self) -> None:
+        modules = self._modules
+        if modules.backward_base is not None:
+            del modules.stack[modules.backward_base:]
+        modules.backward_depth = 0
+        modules.backward_base = None
 
     def _pop_backward(self, name: str) -> None:
         if name in self._modules.stack:
@@ -218,7 +244,15 @@ class CommDebugMode:
             return
         if self._rank is None and not self._mine():
             return
-        op = current_op() or "other"
+        self._add_event(record, current_op() or "other")
+
+    def _observe_torch_collective(
+        self, func: torch._ops.OpOverload, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        # The watch is a dispatch mode of this thread only: every collective it sees is ours.
+        self._add_event(torch_collective_record(func, kind, args, kwargs), current_op() or str(func))
+
+    def _add_event(self, record: CollectiveRecord, op: str) -> None:
         backward = self._modules.backward_depth > 0 or torch._C._current_graph_task_id() != -1
         self.events.append(CommEvent(record, op, tuple(self._modules.stack), backward))
 
