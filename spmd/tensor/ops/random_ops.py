@@ -8,6 +8,8 @@ draws only the counter stream's tiles its piece touches (see spmd/tensor/random.
   rand_like, randn_like, randint_like:            S(d) -> S(d); R -> R; P -> R
   native_dropout(x):                              S(d) -> S(d), mask S(d); R -> R; P -> P, mask R
   native_dropout_backward(grad, mask):            elementwise, linear in grad
+  multinomial(p (rows, k)):                       S(0) -> S(0) where p is already row-sharded (rows
+                                                  are independent); otherwise R -> R (categories whole)
 """
 
 from __future__ import annotations
@@ -107,3 +109,46 @@ def dropout_rule(call: OpCall) -> Sequence[OpStrategy]:
 def dropout_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
     """grad x mask: S(d) x S(d) -> S(d); P x R -> P (linear in the gradient)."""
     return pointwise_candidates(call, linearity="multiplicative")
+
+
+def _multinomial(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    """This rank's rows of the samples one device draws: the same random stream, used the same way.
+
+    torch samples without replacement (or one sample) as ``argmax``/``topk`` of ``p / q`` for
+    ``q ~ Exp(1)`` of p's shape; with replacement it draws one float64 uniform per sample, row by row,
+    and takes the first category whose normalised cumulative probability reaches it. Drawing those
+    global tensors with ``draw_local`` and keeping this rank's rows gives one device's samples.
+    """
+    local: torch.Tensor = args[0]
+    num_samples = int(args[1] if len(args) > 1 else kwargs["num_samples"])
+    replacement = bool(args[2] if len(args) > 2 else kwargs.get("replacement", False))
+    spec, out = inputs[0], outputs[0]
+    if local.numel() and (not bool(torch.isfinite(local).all()) or bool((local < 0).any())):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if local.numel() and bool((local.sum(-1) <= 0).any()):
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    if not replacement or num_samples == 1:
+        q = draw_local(spec.mesh, spec.shape, spec.tensor_meta.dtype, spec.placements, "exponential_", 1.0)
+        scores = local / q
+        if num_samples == 1:
+            return scores.argmax(-1, keepdim=True)
+        return scores.topk(num_samples).indices
+    uniforms = draw_local(out.mesh, out.shape, torch.float64, out.placements, "uniform_", 0.0, 1.0)
+    accumulate = torch.float64 if local.dtype == torch.float64 else torch.float32
+    cumulative = local.to(accumulate).cumsum(-1)
+    cumulative = cumulative / cumulative[..., -1:]
+    cumulative[..., -1] = 1.0  # the last category takes whatever rounding left above the total
+    return torch.searchsorted(cumulative.to(torch.float64), uniforms, side="left")
+
+
+@register_rule(aten.multinomial.default, local_impl=_multinomial)
+def multinomial_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """p (rows, k): S(0) -> S(0) when p is row-sharded already; R -> R; a category shard or a
+    partial is gathered to R (not moved onto the rows), as torch does."""
+    spec = call.input_specs[0]
+    candidates = [OpStrategy((R,), (R,))]
+    if spec.ndim == 2 and Shard(0) in spec.placements:
+        candidates.append(OpStrategy((Shard(0),), (Shard(0),)))
+    return candidates

@@ -3,11 +3,15 @@ placements and collectives are torch's (never more traffic)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, seeded_randn, with_comms
+from spmd.tensor.random import manual_seed
+from spmd.testing import DTensorTestBase, run_threaded, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 
 R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
@@ -143,3 +147,62 @@ class LinearTest(DTensorTestBase):
             out = torch.nn.functional.linear(x, w, b)
         self.assertEqual((comm.get_total_counts(), out.placements), (0, (S0, S2)))
         torch.testing.assert_close(out.full_tensor(), torch.nn.functional.linear(x_full, w_full, b_full))
+
+
+def _multinomial_draws(
+    seed: int, probs: torch.Tensor, layouts: list[list[Placement]], num_samples: int, replacement: bool
+) -> list[Any]:
+    """On every rank: seed, then sample ``probs`` laid out as each layout in turn."""
+    mesh = init_device_mesh("cpu", (4,) if len(layouts[0]) == 1 else (2, 2))
+    manual_seed(seed, mesh)
+    results = []
+    for layout in layouts:
+        p = distribute_tensor(probs, mesh, layout)
+        with CommDebugMode() as comm:
+            samples = torch.multinomial(p, num_samples, replacement=replacement)
+        results.append((samples.placements, comm.get_comm_counts(), samples.full_tensor()))
+    return results
+
+
+def test_multinomial_equals_one_device_and_keeps_row_shards() -> None:
+    """Each rank samples its rows with the random stream one device uses: the samples are one device's."""
+    probs = torch.rand(9, 6, generator=torch.Generator().manual_seed(0)) + 0.01
+    probs[2, :3] = 0.0
+    layouts: list[list[Placement]] = [[S0], [R], [S1], [S0]]
+    for num_samples, replacement in [(1, False), (3, False), (1, True), (5, True)]:
+        per_rank = run_threaded(_multinomial_draws, 4, 7, probs, layouts, num_samples, replacement)
+        generator = torch.Generator().manual_seed(7)
+        expected = [torch.multinomial(probs, num_samples, replacement, generator=generator) for _ in layouts]
+        for results in per_rank:
+            placements = [r[0] for r in results]
+            assert placements == [(S0,), (R,), (R,), (S0,)]
+            assert [r[1] for r in results] == [{}, {}, {"all_gather": 1}, {}]
+            for (_, _, got), want in zip(results, expected):
+                assert torch.equal(got, want), (num_samples, replacement)
+
+
+def test_multinomial_of_a_vector_and_on_a_2d_mesh() -> None:
+    probs = torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    for layouts in ([[S0, R], [S0, S0], [R, S0]], [[R, R]]):
+        per_rank = run_threaded(_multinomial_draws, 4, 3, probs, layouts, 2, True)
+        generator = torch.Generator().manual_seed(3)
+        expected = [torch.multinomial(probs, 2, True, generator=generator) for _ in layouts]
+        for results in per_rank:
+            for (placements, counts, got), want in zip(results, expected):
+                assert counts == {}
+                assert torch.equal(got, want), placements
+    vector = probs[0]
+    per_rank = run_threaded(_multinomial_draws, 4, 5, vector, [[S0], [R]], 3, False)
+    generator = torch.Generator().manual_seed(5)
+    expected = [torch.multinomial(vector, 3, False, generator=generator) for _ in range(2)]
+    for results in per_rank:
+        assert [r[0] for r in results] == [(R,), (R,)]
+        for (_, _, got), want in zip(results, expected):
+            assert torch.equal(got, want)
+
+
+def test_multinomial_rejects_invalid_probabilities() -> None:
+    probs = torch.rand(8, 4)
+    probs[5, 1] = -1.0
+    with pytest.raises(RuntimeError, match="element < 0"):
+        run_threaded(_multinomial_draws, 4, 0, probs, [[S0]], 1, False)
