@@ -36,15 +36,18 @@ from spmd.tensor.comm.threaded import current_threaded_world
 from spmd.testing import op_sweep as sweep
 
 _LIST_INDEX = "x[[0, 2]]-style indexing builds a plain index tensor inside torch (ERROR-OTHER: mixed with DTensors)"
+_UNBIND = "unbind along a sharded dim raises, as in torch.distributed.tensor (torch's own op sweep xfails unbind)"
 
 XFAIL: dict[str, str] = {
     # Ops of the slice that do not pass on the rules alone, one line each: why.
     "__getitem__": _LIST_INDEX,
+    "unbind": _UNBIND,
 }
 
 XFAIL_FALLBACK: dict[str, str] = {
     # Ops of the slice that do not pass even with the replicate fallback.
     "__getitem__": _LIST_INDEX,
+    "unbind": _UNBIND,
 }
 
 KNOWN_WRONG: dict[str, str] = {

@@ -14,10 +14,12 @@ shares the dim is sharded on it the same way:
                                 P(sum) x S(0) x S(dim) -> P(sum) (each rank adds its part)
   index(self, [i, ...]):        S(d) x R -> S(d') for d not indexed;  R x S(k) -> S(k') when the
                                 index tensors need no broadcasting;  P x R -> P
-  index_put(self, [i], v):      S(d) x R x S(d') -> S(d);  accumulate: P x R x P -> P and
+  index_put(self, [i], v):      S(d) x R x S(d') -> S(d);  P x R x P -> P (written or added, the
+                                result is linear in self and v together);  accumulate:
                                 P(sum) x S(k) x S(k') -> P(sum)
   gather(dim, i):               S(d) x S(d) -> S(d) for d != dim (equal sizes);  R x S(dim) -> S(dim);
-                                P x R -> P
+                                P x R -> P;  S(dim) x R -> P(sum) when i is 1 long on dim (each rank
+                                gathers the positions it holds, zeros elsewhere)
   scatter(dim, i, src|value):   S(d) x S(d) [x S(d)] -> S(d) for d != dim (equal sizes);
                                 value: P x R -> P (sum only for value 0)
   scatter_add(dim, i, src):     as scatter, and P x R x P -> P, P(sum) x S(dim) x S(dim) -> P(sum)
@@ -38,7 +40,7 @@ from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, 
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size  # slice/select_backward: input_sizes is global
 from spmd.tensor.placement import Partial, Placement, Shard
-from spmd.tensor.spec import DTensorSpec
+from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 aten = torch.ops.aten
 SUM = Partial("sum")
@@ -236,7 +238,7 @@ def _values_dim(values_shape: Sequence[int], result_shape: Sequence[int], result
 
 @register_rule(aten.index_put.default, aten.index_put_.default)
 def index_put_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """S(d) x R x S(d') -> S(d) for d not indexed; accumulate: P x R x P -> P, P(sum) x S(k) x S(k') -> P(sum)."""
+    """S(d) x R x S(d') -> S(d) for d not indexed; P x R x P -> P; accumulate: P(sum) x S(k) x S(k') -> P(sum)."""
     spec = call.arg(0, "self")
     indices = list(call.arg(1, "indices"))
     values = call.arg(2, "values")
@@ -263,12 +265,15 @@ def index_put_rule(call: OpCall) -> Sequence[OpStrategy]:
         return R if v is None else Shard(v)
 
     candidates += [OpStrategy(inputs(Shard(d), R, values_placement(o)), (Shard(d),)) for d, o in out_dim.items()]
-    if bool(call.arg(3, "accumulate", False)) and values_is_dtensor:
-        candidates += [OpStrategy(inputs(p, R, p), (p,)) for p in LINEAR_PARTIALS]
-        if _index_args(indices, R) and _indices_fill_shape(indices, shape):
-            candidates += [
-                OpStrategy(inputs(SUM, Shard(k), values_placement(start + k)), (SUM,)) for k in range(len(shape))
-            ]
+    if not values_is_dtensor:
+        return candidates
+    # Linear in (self, values) together, written or added: the ranks' results add up to the whole one.
+    candidates += [OpStrategy(inputs(p, R, p), (p,)) for p in LINEAR_PARTIALS]
+    # Added (not written): each rank adds the values of its index positions; the sums make the whole.
+    if bool(call.arg(3, "accumulate", False)) and _index_args(indices, R) and _indices_fill_shape(indices, shape):
+        candidates += [
+            OpStrategy(inputs(SUM, Shard(k), values_placement(start + k)), (SUM,)) for k in range(len(shape))
+        ]
     return candidates
 
 
@@ -286,9 +291,38 @@ def _gather_scatter_args(call: OpCall, *names: tuple[int, str]) -> tuple[Any, ..
     return args
 
 
-@register_rule(aten.gather.default)
+def _masked_gather(
+    op: Any, args: list[Any], kwargs: dict[str, Any], inputs: tuple[DTensorSpec, ...], outputs: tuple[Any, ...]
+) -> torch.Tensor:
+    """gather from a shard of the gathered dim: each rank answers the positions its rows hold and
+    writes zeros elsewhere, so the ranks' results add up to the whole gather (P(sum))."""
+    spec = inputs[0]
+    local, index = args[0], args[2]
+    dim = normalize_dim(args[1], spec.ndim)
+    if not any(isinstance(p, Shard) and p.dim == dim for p in spec.placements):
+        return op(*args, **kwargs)
+    size = spec.shape[dim]
+    # Plain torch raises for a position outside the dim; the masked lookup would give zeros. Every
+    # rank holds the same (replicated) index, so all of them raise and none waits in a collective.
+    if index.numel() and not index.is_meta and not torch.compiler.is_compiling():
+        low, high = torch.stack(torch.aminmax(index)).tolist()
+        if low < 0 or high >= size:
+            raise RuntimeError(
+                f"gather: index {low if low < 0 else high} is out of bounds for dimension {dim} with size {size}"
+            )
+    _, offset = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
+    start, rows = offset[dim], local.shape[dim]
+    if rows == 0:
+        return local.new_zeros(index.shape)
+    held = (index >= start) & (index < start + rows)
+    found = op(local, dim, torch.where(held, index - start, 0), *args[3:], **kwargs)
+    return found.masked_fill(~held, 0)
+
+
+@register_rule(aten.gather.default, local_impl=_masked_gather)
 def gather_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """S(d) x S(d) -> S(d) for d != dim (equal sizes);  R x S(dim) -> S(dim);  P x R -> P."""
+    """S(d) x S(d) -> S(d) for d != dim (equal sizes);  R x S(dim) -> S(dim);  P x R -> P;
+    S(dim) x R -> P(sum) when the index is 1 long on dim (a masked local gather, as torch does)."""
     args = _gather_scatter_args(call, (0, "self"), (2, "index"))
     if args is None:
         return _replicate_all(call)
@@ -297,6 +331,8 @@ def gather_rule(call: OpCall) -> Sequence[OpStrategy]:
     candidates = [OpStrategy((R, R), (R,))]
     candidates += [OpStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in _aligned_dims(dim, spec.shape, index.shape)]
     candidates.append(OpStrategy((R, Shard(dim)), (Shard(dim),)))
+    if index.shape[dim] == 1 and spec.tensor_meta.dtype != torch.bool:
+        candidates.append(OpStrategy((Shard(dim), R), (SUM,)))
     return candidates + [OpStrategy((p, R), (p,)) for p in PARTIALS]
 
 

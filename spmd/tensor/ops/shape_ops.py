@@ -4,7 +4,8 @@ None of them combines values, so every partial passes through (a zero written on
 zero under each reduction). A shard survives on a dim the op does not cut, reverse, shift or copy:
   permute(p):           S(p[o]) -> S(o)
   split, chunk:         S(d) -> S(d) on every piece for d != split dim; the split dim is replicated
-  unbind(dim):          S(d) -> S(d) before dim, S(d - 1) after it; dim itself is replicated
+  unbind(dim):          S(d) -> S(d) before dim, S(d - 1) after it; S(dim) is refused (as torch does);
+                        unbind_copy moves the shard off dim first
   cat(dim):             S(d) x ... x S(d) -> S(d) for d != dim;  P x ... x P -> P
   stack(dim):           S(d) x ... x S(d) -> S(d) before dim, S(d + 1) from it on
   unfold(dim, size, step): S(d) -> S(d) for d != dim (the window dim is new and whole); the
@@ -33,7 +34,7 @@ from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
 from spmd.tensor.ops.matrix import no_empty_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size
-from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.placement import Placement, Shard, format_placements
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 aten = torch.ops.aten
@@ -71,9 +72,18 @@ def split_rule(call: OpCall) -> Sequence[OpStrategy]:
 
 @register_rule(aten.unbind.int, aten.unbind_copy.int)
 def unbind_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """S(d) -> S(d) for d < dim, S(d - 1) for d > dim; dim is replicated first; P -> P."""
-    ndim = call.input_specs[0].ndim
+    """S(d) -> S(d) for d < dim, S(d - 1) for d > dim; P -> P. unbind_copy moves a shard off dim first;
+    unbind (a view, and what iterating a DTensor calls) refuses to, as torch does."""
+    spec = call.input_specs[0]
+    ndim = spec.ndim
     dim = normalize_dim(call.arg(1, "dim", 0), ndim)
+    if call.op == aten.unbind.int and any(isinstance(p, Shard) and p.dim == dim for p in spec.placements):
+        raise NotImplementedError(
+            f"unbind along dim {dim} of a tensor sharded on it {format_placements(spec.placements)} "
+            f"of shape {list(spec.shape)} would have to gather that dim first, which unbind does not do "
+            f"(torch.distributed.tensor refuses it too); redistribute dim {dim} to Replicate() first, "
+            f"or use torch.unbind_copy. Sharding propagation failed for {call.op}"
+        )
     out_dim = {d: d if d < dim else d - 1 for d in range(ndim) if d != dim}
     return _keep_dims(ndim, out_dim, len(call.output_metas))
 

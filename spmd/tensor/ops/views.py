@@ -7,6 +7,7 @@ output dim is o:
   S(d) -> S(o)  when both sizes divide by the number of pieces d is cut into (flatten / unflatten:
                 each rank's block is then one contiguous run of the group, exactly the block S(o)
                 gives it; see ``surviving_shards``);
+  S(d) -> S(o)  for a 1-long d and a 1-long o (the first rank holds everything either way);
   any other sharded dim is replicated first.  R -> R;  P -> P (a view moves no value).
   squeeze:  S(d) -> S(d') unless d is a squeezed dim some rank could hold a 1-long piece of (the
             local squeeze would drop it); d' = d less the removed dims before it.
@@ -71,7 +72,27 @@ def view_shard_map(spec: DTensorSpec, out_shape: Sequence[int]) -> dict[int, int
         o, pieces = leaders[d], math.prod(cuts)
         return in_shape[d] == out_shape[o] or (in_shape[d] % pieces == 0 and out_shape[o] % pieces == 0)
 
-    return {d: leaders[d] for d in sorted(surviving_shards([spec], leaders, keeps, partials_stay=True))}
+    kept = {d: leaders[d] for d in sorted(surviving_shards([spec], leaders, keeps, partials_stay=True))}
+    return kept | _one_long_shard_map(in_shape, out_shape)
+
+
+def _one_long_shard_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dims of size 1 -> an output dim of size 1: ``{input dim: output dim}``.
+
+    A shard of a 1-long dim is the whole tensor on the first rank and nothing on the others, and so
+    is a shard of any 1-long output dim; the one at the same flat position is preferred (the dim
+    the view keeps), else the first.
+    """
+    ones_out = [o for o, size in enumerate(out_shape) if size == 1]
+    if not ones_out:
+        return {}
+    out_before = {o: math.prod(out_shape[:o]) for o in ones_out}
+    mapping = {}
+    for d, size in enumerate(in_shape):
+        if size == 1:
+            before = math.prod(in_shape[:d])
+            mapping[d] = next((o for o in ones_out if out_before[o] == before), ones_out[0])
+    return mapping
 
 
 def local_view_size(
