@@ -53,6 +53,9 @@ class OpEntry:
     """Whether a Python float argument's value can change the decision. Elementwise rules read only
     that a scalar is there, so their calls key floats by type: AdamW's ``addcdiv_(..., value=-lr / bias
     correction)`` changes its float every step and would otherwise decide again every step."""
+    answer: Any = None
+    """``Answer`` hook: the result from the arguments' global metadata alone (``is_same_size``); the
+    dispatcher returns it without deciding or moving anything, plain tensors allowed among them."""
 
     @staticmethod
     def of(
@@ -63,6 +66,7 @@ class OpEntry:
         local_impl: Any = None,
         decompose: Any = None,
         float_values_matter: bool = True,
+        answer: Any = None,
     ) -> OpEntry:
         schema = op._schema
         name: str = schema.name
@@ -83,6 +87,7 @@ class OpEntry:
             list_op=callable(getattr(rule, "element_calls", None)) or name.startswith("aten::_foreach_"),
             no_fallback=_fallback_refusal(op, inplace, returns_view),
             float_values_matter=float_values_matter,
+            answer=answer,
         )
 
     @property

@@ -27,6 +27,7 @@ __all__ = [
     "LocalImpl",
     "Decomposition",
     "Expansion",
+    "Answer",
     "OpEntry",
     "OpRegistry",
     "REGISTRY",
@@ -78,6 +79,9 @@ global tensor and keep their piece): ``(op, args, kwargs, input specs as redistr
 specs) -> local result``. Output specs are None for non-tensor outputs."""
 Expansion = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 """Runs a call as other DTensor ops: ``(op, args, kwargs) -> result``, the arguments as the caller gave them."""
+Answer = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+"""Answers a call from its arguments' global metadata: ``(op, args, kwargs) -> result``, the
+arguments as the caller gave them (plain tensors may be among them); nothing is decided or moved."""
 Decomposition = Callable[[OpCall], Expansion | None]
 """Says, from a call's specs and arguments, whether the op runs as other DTensor ops instead of
 through its rule (the p-norm of a sharded dim: power sums -> P(sum) -> pow(1/p)): the ``Expansion``
@@ -115,6 +119,7 @@ class OpRegistry:
         local_impl: LocalImpl | None = None,
         decompose: Decomposition | None = None,
         float_values_matter: bool = True,
+        answer: Answer | None = None,
     ) -> Callable[[Rule], Rule]:
         """Decorator: ``@register_rule(aten.mm.default, aten.mm.out)``; a packet means every overload.
 
@@ -123,7 +128,8 @@ class OpRegistry:
 
         ``local_args`` is for ops whose non-tensor arguments are global sizes (view, expand);
         ``local_impl`` for ops whose local result is not the op applied to the shards (random ops);
-        ``decompose`` for ops that, on some layouts, are better run as other DTensor ops.
+        ``decompose`` for ops that, on some layouts, are better run as other DTensor ops;
+        ``answer`` for ops whose result is read from metadata alone (``is_same_size``).
         ``float_values_matter=False`` for rules that never read a Python float's value (elementwise
         rules): their calls then share one decision whatever the float.
         """
@@ -137,6 +143,7 @@ class OpRegistry:
                     local_impl=local_impl,
                     decompose=decompose,
                     float_values_matter=float_values_matter,
+                    answer=answer,
                 )
 
             for op in ops:

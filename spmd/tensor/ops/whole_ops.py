@@ -2,7 +2,8 @@
 positions no shard can interpret: their rules ask for whole (replicated) inputs. A rule, unlike the
 fallback, names the op's needs, and the verbose log shows the bytes gathered.
 
-  equal, allclose -> a Python bool:          R x R -> nothing
+  equal, allclose -> a Python bool:          R x R -> nothing (equal of sharded operands: eq().all())
+  is_same_size -> a Python bool:             global shapes compared; nothing read or moved
   block_diag, linspace/logspace (tensor ends), nonzero_static, segment_reduce,
   _unsafe_masked_index (+ put), _embedding_bag (+ backwards), _ctc_loss (+ backward),
   as_strided (+ copy, scatter), linear_cross_entropy's chunked custom ops:  R ... -> R ...
@@ -24,7 +25,7 @@ except ImportError:  # an older torch without them
 
 from spmd.tensor.ops.common import R
 from spmd.tensor.ops.reductions import reduction_args, reduction_candidates
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
+from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 
 aten = torch.ops.aten
 
@@ -42,9 +43,44 @@ CHUNKED_LINEAR_CROSS_ENTROPY = _custom_ops(
 )
 
 
-@register_rule(aten.equal.default, aten.allclose.default)
-def comparison_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """equal, allclose: R x R -> a bool (every rank compares the whole tensors, so all agree)."""
+def _same_size(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+@register_rule(aten.is_same_size.default, answer=_same_size)
+def same_size_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """is_same_size compares global shapes (a plain tensor's own shape) in its ``answer``: no data
+    is read or moved, so this rule (R x R -> a bool) is never asked."""
+    return [OpStrategy((R,) * len(call.input_specs), ())]
+
+
+def _equal_shard_by_shard(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # eq lays the operands out alike (a replicated one is cut locally), all() reduces to one flag
+    flag: Any = torch.eq(args[0], args[1]).all()  # a DTensor
+    return bool(flag.full_tensor().item())
+
+
+def _equal_decomposition(call: OpCall) -> Expansion | None:
+    """Different shapes are unequal with nothing read; sharded operands are compared where they lie."""
+    if len(call.input_specs) != 2:
+        return None
+    a, b = call.input_specs
+    if tuple(a.shape) != tuple(b.shape):
+        return lambda op, args, kwargs: False
+    if all(p == R for s in (a, b) for p in s.placements):
+        return None  # compared locally by the rule
+    return _equal_shard_by_shard
+
+
+@register_rule(aten.equal.default, decompose=_equal_decomposition)
+def equal_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """equal: R x R -> a bool; sharded operands run as eq(a, b).all(): one small all_reduce, as in torch."""
+    return [OpStrategy((R,) * len(call.input_specs), ())]
+
+
+@register_rule(aten.allclose.default)
+def allclose_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """allclose: R x R -> a bool (every rank compares the whole tensors, so all agree)."""
     return [OpStrategy((R,) * len(call.input_specs), ())]
 
 

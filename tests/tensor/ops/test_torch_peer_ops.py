@@ -206,3 +206,44 @@ def test_multinomial_rejects_invalid_probabilities() -> None:
     probs[5, 1] = -1.0
     with pytest.raises(RuntimeError, match="element < 0"):
         run_threaded(_multinomial_draws, 4, 0, probs, [[S0]], 1, False)
+
+
+class EqualAndSameSizeTest(DTensorTestBase):
+    @with_comms
+    def test_is_same_size_reads_global_shapes_even_of_a_plain_tensor(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        sharded = DTensor.from_local(torch.ones(4, 4), mesh, [S0])  # global 16 x 4
+        replicated = distribute_tensor(torch.ones(16, 4), mesh, [R])
+        wider = distribute_tensor(torch.ones(16, 5), mesh, [S1])
+        with CommDebugMode() as comm:
+            answers = [
+                sharded.is_same_size(replicated),
+                torch.ones(4, 4).is_same_size(sharded),
+                sharded.is_same_size(torch.ones(16, 4)),
+                replicated.is_same_size(wider),
+            ]
+        self.assertEqual(answers, [True, False, True, False])
+        self.assertEqual(comm.get_total_counts(), 0)
+
+    @with_comms
+    def test_equal_compares_shards_where_they_lie(self) -> None:
+        """equal of sharded operands: one all_reduce of a flag (torch's traffic), not a gather of both."""
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.arange(48.0).reshape(8, 6)  # whole numbers: a partial's pieces add up exactly
+        other = full.clone()
+        other[7, 5] += 1.0  # differs on the last rank's rows only
+        for left, right in [(S0, S0), (S0, R), (R, S1), (SUM, S0)]:
+            x = make_dtensor(full, mesh, [left])
+            with CommDebugMode() as comm:
+                same = x.equal(make_dtensor(full.clone(), mesh, [right]))
+            self.assertTrue(same)
+            self.assertLessEqual(comm.get_comm_counts().get("all_reduce", 0), 1 + (left == SUM))
+            self.assertNotIn("all_gather", comm.get_comm_counts())
+            self.assertFalse(x.equal(make_dtensor(other, mesh, [right])))
+        x, shorter = make_dtensor(full, mesh, [S0]), distribute_tensor(full[:4], mesh, [S0])
+        with CommDebugMode() as comm:
+            same = x.equal(shorter)
+        self.assertEqual((same, comm.get_total_counts()), (False, 0))
+        nan = torch.full((4, 4), float("nan"))
+        self.assertFalse(distribute_tensor(nan, mesh, [S0]).equal(distribute_tensor(nan, mesh, [S0])))
+        self.assertTrue(distribute_tensor(full, mesh, [R]).equal(distribute_tensor(full, mesh, [R])))
