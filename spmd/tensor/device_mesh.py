@@ -103,8 +103,12 @@ class DeviceMesh:
             self._dim_groups.append({r: group for group in groups for r in group})
         if _create_groups:
             self._world.create_groups(self._groups())
-        self._covers_world = len(self._flat) == self._world.size
-        """Every rank of the world is in the mesh, so no caller needs the non-member path."""
+        # Whether every rank that can call into this object is in the mesh, so that the dispatcher may
+        # skip asking (a lookup of the caller's rank, ~1us under c10d): true when the mesh holds the
+        # whole world, and under c10d (one rank per process) when it holds this process's rank.
+        self._callers_in_mesh = len(self._flat) == self._world.size or (
+            self._world.backend_name == "c10d" and self._world.current_rank() in self._coordinates
+        )
         # A sub-mesh (``mesh["tp"]``, ``mesh["dp", "cp"]._flatten()``) remembers the mesh it was cut
         # from, and which of that mesh's dims each of its own dims spans, to find flattened dims.
         self._root = _root

@@ -76,7 +76,7 @@ class Dispatcher:
             key: list[Any] = [entry]
             positions: list[int] = []
             mesh = scan_leaves(entry, args, key, positions)
-            if isinstance(mesh, DeviceMesh) and (mesh._covers_world or mesh.get_coordinate() is not None):
+            if isinstance(mesh, DeviceMesh) and (mesh._callers_in_mesh or mesh.get_coordinate() is not None):
                 try:
                     decision = self.cache.get(tuple(key))
                 except TypeError:  # an unhashable argument: the steps decide it
@@ -90,8 +90,6 @@ class Dispatcher:
 
     def run_steps(self, entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The five steps: unwrap and key, look up or decide, move inputs, run local, wrap."""
-        if entry.answer is not None:  # read from global metadata (is_same_size): nothing to decide
-            return entry.answer(entry.op, args, kwargs)
         if entry.out_variant is not None:
             return _dispatch_out(entry, args, kwargs)
         if entry.list_op:
@@ -101,11 +99,14 @@ class Dispatcher:
         if entry.inplace:
             _refuse_write_into_copied_view(entry, call)
         decision, hit = self.decision_for(entry, call)
-        if decision.decomposition is not None:  # the op runs as other DTensor ops (each dispatched here)
+        outside = not call.mesh._callers_in_mesh and call.mesh.get_coordinate() is None
+        # Outside the mesh a decomposition's DTensor ops give empty pieces, fine for tensor results;
+        # a bool (equal) would come out of them False, so such ops answer at once.
+        if decision.decomposition is not None and not (outside and not _returns_tensors(entry)):
             if STATE.verbose:
                 log_decomposition(op, call.specs(), decision, hit)
             return decision.decomposition(op, call.args, call.kwargs)
-        if not call.mesh._covers_world and call.mesh.get_coordinate() is None:
+        if outside:
             return _result_outside_mesh(entry, decision, call)
         local_args, local_kwargs = self.move_inputs(entry, decision, call, hit)
         result = self.run_local(entry, decision, call, local_args, local_kwargs)
@@ -270,6 +271,10 @@ def _result_outside_mesh(entry: OpEntry, decision: Decision, call: UnwrappedCall
         for spec, ret in zip(specs, returns)
     ]
     return results[0] if len(returns) == 1 else tuple(results)
+
+
+def _returns_tensors(entry: OpEntry) -> bool:
+    return any("Tensor" in str(ret.type) for ret in entry.op._schema.returns)
 
 
 def _refuse_write_into_copied_view(entry: OpEntry, call: UnwrappedCall) -> None:
