@@ -294,14 +294,15 @@ def _replicate_plain_tensors(
     """Plain (non 0-d) tensors become replicated DTensors where that is known to be safe.
 
     Inside backward they come from autograd's own formulas (``zeros``, ``ones``), which are the
-    same on every rank; elsewhere only inside ``implicit_replication()``.
+    same on every rank; elsewhere only inside ``implicit_replication()``, or when they hold one
+    element (``torch.tensor([1.0])``), which torch reads as a scalar just like a 0-d tensor.
     """
     mesh = next(a._spec.mesh for a in leaves if isinstance(a, DTensor))
     replicate = (Replicate(),) * mesh.ndim
     leaves = list(leaves)
     for i, a in enumerate(leaves):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0:
-            if not plain_tensors_allowed():
+            if a.numel() != 1 and not plain_tensors_allowed():
                 # Not TypeError: Python would turn that into "unsupported operand" for `x + t`.
                 raise RuntimeError(
                     f"{entry.op} got a plain torch.Tensor of shape {list(a.shape)} mixed with DTensors; "
