@@ -60,6 +60,11 @@ DIFFERENCES: dict[str, str] = {
     "torch.distributed.device_mesh.DeviceMesh.from_group": (
         "building a mesh from existing c10d groups is not offered; init_device_mesh / DeviceMesh(ranks) build them"
     ),
+    # spmd.tensor.experimental
+    "torch.distributed.tensor.experimental.context_parallel": (
+        "not offered: context-parallel attention (ring attention over a sequence-sharded dim, patching "
+        "SDPA and buffers in place) is a parallelism of its own, not a DTensor primitive"
+    ),
 }
 
 # torch's Placement is a C++ class: its methods have no Python signature, so only their names are
