@@ -203,7 +203,7 @@ class RegisterShardingTest(DTensorTestBase):
 
             @register_sharding(aten._softmax.default)
             def softmax_sharding(x: Any, dim: int, half_to_float: bool) -> list[Any]:
-                softmax_dim = dim if dim >= 0 else dim + x.ndim
+                softmax_dim = dim % x.ndim
                 strategies = [([Replicate()], [Replicate(), None, None])]
                 strategies += [([Shard(d)], [Shard(d), None, None]) for d in range(x.ndim) if d != softmax_dim]
                 return strategies
@@ -304,6 +304,66 @@ class RegisterShardingTest(DTensorTestBase):
             y = torch.ops.spmd_experimental_test.named_copy("w", x_dt)
         self.assertEqual((y.placements, comm.get_total_counts()), ((Shard(1),), 0))
         torch.testing.assert_close(y.full_tensor(), x)
+
+    def test_list_arguments_and_list_results(self) -> None:
+        asked: list[str] = []
+        with rules_restored(aten.cat.default, aten.split.Tensor):
+
+            @register_sharding(aten.cat.default)
+            def cat_sharding(tensors: list[Any], dim: int) -> list[Any]:
+                # one placement per tensor of the list, nested as the argument is
+                asked.append("cat")
+                kept = [([Shard(d)], [[Shard(d)] * len(tensors), None]) for d in range(tensors[0].ndim) if d != dim]
+                return [([Replicate()], [[Replicate()] * len(tensors), None]), *kept]
+
+            @register_sharding(aten.split.Tensor)
+            def split_sharding(x: Any, split_size: int, dim: int = 0) -> list[Any]:
+                # a Tensor[] result takes one placement, which every piece gets
+                asked.append("split")
+                kept = [([Shard(d)], [Shard(d), None, None]) for d in range(x.ndim) if d != dim % x.ndim]
+                return [([Replicate()], [Replicate(), None, None]), *kept]
+
+            self._check_cat_and_split()
+        self.assertEqual(set(asked), {"cat", "split"})
+
+    @with_comms
+    def _check_cat_and_split(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        a, b = randn(8, 3, seed=19), randn(8, 5, seed=20)
+        a_dt, b_dt = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])
+        with replicate_fallback(False), CommDebugMode() as comm:
+            joined = torch.cat([a_dt, b_dt], dim=1)
+            pieces = torch.split(joined, 2, dim=1)
+        self.assertEqual(comm.get_total_counts(), 0)
+        self.assertEqual(joined.placements, (Shard(0),))
+        self.assertEqual([p.placements for p in pieces], [(Shard(0),)] * 4)
+        for piece, expected in zip(pieces, torch.split(torch.cat([a, b], dim=1), 2, dim=1)):
+            torch.testing.assert_close(piece.full_tensor(), expected)
+
+    def test_ops_with_their_own_local_computation_keep_it(self) -> None:
+        # a vocab-sharded embedding looks up only the rows a rank holds (its built-in local step);
+        # the user's rule decides the placements, the op's local step still masks the other rows
+        with rules_restored(aten.embedding.default):
+
+            @register_sharding(aten.embedding.default)
+            def vocab_parallel(weight: Any, indices: Any, *flags: Any) -> list[Any]:
+                no_flags = [None] * len(flags)
+                return [
+                    ([Partial()], [Shard(0), Replicate(), *no_flags]),
+                    ([Replicate()], [Replicate(), Replicate(), *no_flags]),
+                ]
+
+            self._check_vocab_parallel_embedding()
+
+    @with_comms
+    def _check_vocab_parallel_embedding(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        weight, indices = randn(10, 4, seed=21), torch.tensor([[0, 9, 3], [5, 5, 1]])
+        w_dt, i_dt = distribute_tensor(weight, mesh, [Shard(0)]), distribute_tensor(indices, mesh, [Replicate()])
+        with CommDebugMode() as comm:
+            rows = torch.nn.functional.embedding(i_dt, w_dt)
+        self.assertEqual((rows.placements, comm.get_total_counts()), ((Partial(),), 0))
+        torch.testing.assert_close(rows.full_tensor(), torch.nn.functional.embedding(indices, weight))
 
     def test_a_wrong_strategy_is_an_error_not_a_wrong_answer(self) -> None:
         op = torch.ops.spmd_experimental_test.scale.default

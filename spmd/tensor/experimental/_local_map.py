@@ -22,17 +22,19 @@ from spmd.tensor.spec import normalize_placements
 
 __all__ = ["local_map"]
 
-PlacementType = Sequence[Placement] | None
+TensorPlacements = Sequence[Placement] | None
 """The placements of one tensor (one per mesh dim), or None for a value that is not a tensor."""
-InputPlacements = tuple[PlacementType, ...] | None
-OutputPlacements = PlacementType | tuple[PlacementType, ...]
+PerArgument = tuple[TensorPlacements, ...] | None
+"""One ``TensorPlacements`` per flattened positional argument, or None for no check."""
+PerOutput = TensorPlacements | tuple[TensorPlacements, ...]
+"""One ``TensorPlacements`` for a single output, or a tuple of them for several."""
 
 
 def local_map(
     func: Callable[..., Any] | None = None,
-    out_placements: OutputPlacements = None,
-    in_placements: InputPlacements = None,
-    in_grad_placements: InputPlacements = None,
+    out_placements: PerOutput = None,
+    in_placements: PerArgument = None,
+    in_grad_placements: PerArgument = None,
     device_mesh: DeviceMesh | None = None,
     *,
     redistribute_inputs: bool = False,
@@ -59,20 +61,14 @@ def local_map(
     untouched. For example, a row-parallel matmul whose partial sums are finished by hand::
 
         def local_mm(w, x):
-            return funcol.all_reduce(w @ x, "sum", mesh)
+            return mesh.get_communicator(0).all_reduce(w @ x, "sum")
 
         mm = local_map(local_mm, out_placements=[Replicate()], in_placements=([Shard(1)], [Shard(0)]))
         y = mm(w_dt, x_dt)  # a Replicate DTensor equal to w @ x
     """
-    if func is None:
-        return functools.partial(
-            local_map,
-            out_placements=out_placements,
-            in_placements=in_placements,
-            in_grad_placements=in_grad_placements,
-            device_mesh=device_mesh,
-            redistribute_inputs=redistribute_inputs,
-        )
+    if func is None:  # used as @local_map(...): the same options, the function comes next
+        options = (out_placements, in_placements, in_grad_placements, device_mesh)
+        return lambda f: local_map(f, *options, redistribute_inputs=redistribute_inputs)
 
     @functools.wraps(func)
     def run_on_shards(*args: Any, **kwargs: Any) -> Any:
@@ -109,7 +105,7 @@ def local_map(
     return run_on_shards
 
 
-def _check_count(name: str, entries: InputPlacements, expected: int, what: str) -> None:
+def _check_count(name: str, entries: PerArgument, expected: int, what: str) -> None:
     if entries is not None and len(entries) != expected:
         raise AssertionError(
             f"local_map: {name} has {len(entries)} entries but the call has {expected} {what}s; give one "
@@ -117,7 +113,7 @@ def _check_count(name: str, entries: InputPlacements, expected: int, what: str) 
         )
 
 
-def _placements_of(arg: DTensor, index: int, entry: PlacementType, name: str) -> tuple[Placement, ...]:
+def _placements_of(arg: DTensor, index: int, entry: TensorPlacements, name: str) -> tuple[Placement, ...]:
     """``entry`` checked against ``arg``'s mesh and rank (negative shard dims made positive)."""
     if entry is None:
         raise AssertionError(
@@ -127,7 +123,7 @@ def _placements_of(arg: DTensor, index: int, entry: PlacementType, name: str) ->
     return normalize_placements(entry, arg.device_mesh, arg.ndim)
 
 
-def _laid_out_as(arg: DTensor, index: int, entry: PlacementType, redistribute: bool) -> DTensor:
+def _laid_out_as(arg: DTensor, index: int, entry: TensorPlacements, redistribute: bool) -> DTensor:
     """``arg`` in the placements ``entry`` asks for: redistributed if allowed, else a ValueError."""
     wanted = _placements_of(arg, index, entry, "in_placements")
     if arg.placements == wanted:
@@ -142,7 +138,7 @@ def _laid_out_as(arg: DTensor, index: int, entry: PlacementType, redistribute: b
     return arg.redistribute(placements=wanted)
 
 
-def _wrap_outputs(result: Any, out_placements: OutputPlacements, mesh: DeviceMesh) -> Any:
+def _wrap_outputs(result: Any, out_placements: PerOutput, mesh: DeviceMesh) -> Any:
     """``func``'s flattened tensor results as DTensors on ``mesh``; other values as they are."""
     outputs, layout = pytree.tree_flatten(result)
     entries = _output_entries(out_placements)
@@ -176,7 +172,7 @@ def _wrap_outputs(result: Any, out_placements: OutputPlacements, mesh: DeviceMes
     return pytree.tree_unflatten(wrapped, layout)
 
 
-def _output_entries(out_placements: OutputPlacements) -> list[PlacementType]:
+def _output_entries(out_placements: PerOutput) -> list[TensorPlacements]:
     """One entry per output: a tuple of entries is many outputs, anything else is one output's.
 
     A tuple of bare placements (``(Shard(0), Replicate())``) is one output's placements on a 2-d
@@ -186,7 +182,7 @@ def _output_entries(out_placements: OutputPlacements) -> list[PlacementType]:
         return [out_placements]
     if out_placements and all(isinstance(p, Placement) for p in out_placements):
         return [cast(tuple[Placement, ...], out_placements)]
-    return [cast(PlacementType, entry) for entry in out_placements]
+    return [cast(TensorPlacements, entry) for entry in out_placements]
 
 
 def _show(entry: Any) -> str:
