@@ -8,9 +8,10 @@ raises ``CollectiveTimeoutError`` naming the ranks that never arrived.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -235,6 +236,48 @@ def run_threaded(
     """
     world = ThreadedWorld(world_size, timeout=timeout)
     results: list[Any] = [None] * world_size
+    with _backward_on_rank_threads():
+        _run_ranks(world, fn, args, kwargs, results, timeout)
+    return results
+
+
+_AUTOGRAD_THREADS_LOCK = threading.Lock()
+_worlds_running = [0]
+_autograd_threads_before = [True]
+
+
+@contextlib.contextmanager
+def _backward_on_rank_threads() -> Iterator[None]:
+    """Run ``backward()`` on the rank thread that calls it while any threaded world runs.
+
+    For CUDA tensors autograd hands backward to its own per-device worker thread, which is no rank
+    of the world, so the collectives of a DTensor backward could not tell whose they are. Turning
+    autograd's device threads off is process-wide, so it is counted across concurrent worlds.
+    """
+    with _AUTOGRAD_THREADS_LOCK:
+        if _worlds_running[0] == 0:
+            _autograd_threads_before[0] = torch.autograd.is_multithreading_enabled()
+            torch.autograd.set_multithreading_enabled(False)
+        _worlds_running[0] += 1
+    try:
+        yield
+    finally:
+        with _AUTOGRAD_THREADS_LOCK:
+            _worlds_running[0] -= 1
+            if _worlds_running[0] == 0:
+                torch.autograd.set_multithreading_enabled(_autograd_threads_before[0])
+
+
+def _run_ranks(
+    world: ThreadedWorld,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: list[Any],
+    timeout: float,
+) -> None:
+    """Start one thread per rank running ``fn`` and wait for them; re-raise the first rank's error."""
+    world_size = world.size
 
     def rank_main(rank: int) -> None:
         _current.world, _current.rank = world, rank
@@ -267,4 +310,3 @@ def run_threaded(
         if hasattr(error, "add_note"):
             error.add_note(f"raised on rank {rank} of a threaded world of {world_size}")
         raise error
-    return results
