@@ -111,3 +111,11 @@ def test_a_fast_rank_overwriting_its_input_does_not_change_what_others_receive()
 
     for _ in range(5):
         assert run_threaded(reduce_then_overwrite, 4) == [6000.0] * 4
+
+
+def test_backward_runs_on_the_rank_threads_while_a_world_runs() -> None:
+    # CUDA backward would otherwise move to autograd's device thread, which is no rank of the world
+    assert torch.autograd.is_multithreading_enabled()
+    inside = run_threaded(torch.autograd.is_multithreading_enabled, 2)
+    assert inside == [False, False]
+    assert torch.autograd.is_multithreading_enabled()  # restored when the world ends
