@@ -8,10 +8,9 @@ raises ``CollectiveTimeoutError`` naming the ranks that never arrived.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -236,36 +235,8 @@ def run_threaded(
     """
     world = ThreadedWorld(world_size, timeout=timeout)
     results: list[Any] = [None] * world_size
-    with _backward_on_rank_threads():
-        _run_ranks(world, fn, args, kwargs, results, timeout)
+    _run_ranks(world, fn, args, kwargs, results, timeout)
     return results
-
-
-_AUTOGRAD_THREADS_LOCK = threading.Lock()
-_worlds_running = [0]
-_autograd_threads_before = [True]
-
-
-@contextlib.contextmanager
-def _backward_on_rank_threads() -> Iterator[None]:
-    """Run ``backward()`` on the rank thread that calls it while any threaded world runs.
-
-    For CUDA tensors autograd hands backward to its own per-device worker thread, which is no rank
-    of the world, so the collectives of a DTensor backward could not tell whose they are. Turning
-    autograd's device threads off is process-wide, so it is counted across concurrent worlds.
-    """
-    with _AUTOGRAD_THREADS_LOCK:
-        if _worlds_running[0] == 0:
-            _autograd_threads_before[0] = torch.autograd.is_multithreading_enabled()
-            torch.autograd.set_multithreading_enabled(False)
-        _worlds_running[0] += 1
-    try:
-        yield
-    finally:
-        with _AUTOGRAD_THREADS_LOCK:
-            _worlds_running[0] -= 1
-            if _worlds_running[0] == 0:
-                torch.autograd.set_multithreading_enabled(_autograd_threads_before[0])
 
 
 def _run_ranks(
@@ -282,7 +253,9 @@ def _run_ranks(
     def rank_main(rank: int) -> None:
         _current.world, _current.rank = world, rank
         try:
-            with use_world(world):
+            # For CUDA tensors autograd would run backward on its own per-device worker thread,
+            # which is no rank of the world; keep it on the rank thread (a thread-local setting).
+            with use_world(world), torch.autograd.set_multithreading_enabled(False):
                 results[rank] = fn(*args, **kwargs)
         except BaseException as error:
             world.abort(rank, error)
