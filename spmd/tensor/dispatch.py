@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class Dispatcher:
         """List-op decisions, with the inputs each writes back after the kernel."""
         self.misses = 0
         """Decisions made so far (cache misses): a steady training loop stops adding to it."""
+        self.refuse_implicit: Callable[..., None] | None = None
+        """While explicit redistribution is on (spmd/tensor/debug/explicit.py), the check that raises
+        for a decided move that sends data; called only on the path that moves an input."""
         self._fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
         REGISTRY.add_listener(self.clear_cache)
 
@@ -149,6 +152,8 @@ class Dispatcher:
     ) -> tuple[list[Any], dict[str, Any]]:
         """Step 3: the local arguments, with the inputs the decision moves redistributed."""
         leaves, positions = call.leaves, call.positions
+        if decision.moves and self.refuse_implicit is not None:
+            self.refuse_implicit(entry.op, leaves, call.shape, call.kwarg_names(), positions, decision)
         local = list(leaves)
         for i in positions:
             local[i] = leaves[i]._local_tensor

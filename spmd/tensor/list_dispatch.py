@@ -146,6 +146,8 @@ def dispatch_list(dispatcher: Dispatcher, entry: OpEntry, args: tuple[Any, ...],
             log_decomposition(op, [leaves[i]._spec for i in positions], decision, hit)
         return decision.decomposition(op, args, kwargs)
 
+    if decision.moves and dispatcher.refuse_implicit is not None:
+        dispatcher.refuse_implicit(op, leaves, shape, list(kwargs), positions, decision)
     local_leaves = list(leaves)
     for i in positions:
         local_leaves[i] = leaves[i]._local_tensor

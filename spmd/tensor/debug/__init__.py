@@ -8,6 +8,8 @@
   gathered per rank (``reset_fallback_report()`` starts afresh).
 * ``SPMD_DEBUG=check`` / ``with check_collectives():`` -- ranks compare each collective before
   issuing it and all raise ``CollectiveMismatchError`` if they disagree.
+* ``SPMD_DEBUG=explicit`` / ``with explicit_redistribution():`` -- an op that would move an input
+  between ranks on its own raises ``ExplicitRedistributionError`` with the ``redistribute`` line to write.
 """
 
 from spmd.tensor.debug.check import (
@@ -19,6 +21,12 @@ from spmd.tensor.debug.check import (
 from spmd.tensor.debug.comm_mode import CommDebugMode
 from spmd.tensor.debug.environment import configure_from_environment
 from spmd.tensor.debug.explain import Explanation, explain
+from spmd.tensor.debug.explicit import (
+    ExplicitRedistributionError,
+    explicit_redistribution,
+    is_explicit_redistribution,
+    set_explicit_redistribution,
+)
 from spmd.tensor.debug.fallbacks import FallbackRecord, FallbackReport, fallback_report, reset_fallback_report
 from spmd.tensor.debug.verbose import is_verbose, set_verbose, verbose
 from spmd.tensor.debug.visualize import sharding_table, visualize_sharding
@@ -40,6 +48,10 @@ __all__ = [
     "set_check_collectives",
     "CollectiveFingerprint",
     "CollectiveMismatchError",
+    "explicit_redistribution",
+    "set_explicit_redistribution",
+    "is_explicit_redistribution",
+    "ExplicitRedistributionError",
 ]
 
 configure_from_environment()
