@@ -186,3 +186,27 @@ class SpecVocabularyTest(DTensorTestBase):
         self.assertEqual((spec.shape, spec.stride, spec.ndim), ((4, 3), (3, 1), 2))
         self.assertEqual((spec.num_shards, spec.num_shards_map, spec.dim_map, spec.sums), (2, [2, 1], [0, -1], [1]))
         self.assertEqual((spec.is_sharded(), spec.is_partial(), spec.is_replicated()), (True, True, False))
+
+
+class AsStridedStorageOffsetTest(DTensorTestBase):
+    @with_comms
+    def test_an_explicit_storage_offset_on_a_sharded_input_is_refused_not_guessed(self) -> None:
+        mesh = init_device_mesh("cpu", (4,))
+        full = torch.arange(32.0).reshape(8, 4)
+        window = distribute_tensor(full, mesh, [Shard(0)])[:, 1:]  # a sharded view of the sharded base
+        self.assertEqual(window.placements, (Shard(0),))
+        # on one device these read the base's memory through the view's strides and offset
+        with self.assertRaisesRegex(NotImplementedError, "explicit storage_offset.*Replicate"):
+            window.as_strided((2, 2), (1, 2), storage_offset=1)
+        with self.assertRaisesRegex(NotImplementedError, "non-contiguous strides"):
+            window.as_strided((2, 2), (1, 2))
+        # a contiguous sharded DTensor, or a replicated one (whose views share memory as on one device), runs
+        contiguous = window.contiguous()
+        torch.testing.assert_close(
+            contiguous.as_strided((2, 2), (1, 2)).full_tensor(), full[:, 1:].contiguous().as_strided((2, 2), (1, 2))
+        )
+        replicated = distribute_tensor(full, mesh, [Replicate()])[:, 1:]
+        torch.testing.assert_close(
+            replicated.as_strided((2, 2), (1, 2), storage_offset=1).full_tensor(),
+            full[:, 1:].as_strided((2, 2), (1, 2), storage_offset=1),
+        )

@@ -106,14 +106,40 @@ def allclose_rule(call: OpCall) -> Sequence[OpStrategy]:
     aten._ctc_loss.Tensor,
     aten._ctc_loss_backward.default,
     aten._ctc_loss_backward.Tensor,
-    aten.as_strided.default,
-    aten.as_strided_copy.default,
-    aten.as_strided_scatter.default,
     *CHUNKED_LINEAR_CROSS_ENTROPY,
 )
 def replicated_rule(call: OpCall) -> Sequence[OpStrategy]:
     """R ... -> R ...: the op needs whole inputs."""
     return [OpStrategy((R,) * len(call.input_specs), (R,) * len(call.output_metas))]
+
+
+@register_rule(aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default)
+def as_strided_rule(call: OpCall) -> Sequence[OpStrategy]:
+    """R -> R, reading memory as one device would, or refused.
+
+    as_strided addresses memory: the storage offset counts from the base the tensor shares memory
+    with, and the strides walk that memory's layout. A replicated input's local tensor shares memory
+    as one device's tensor would (a view of a replicated DTensor is a view of its local tensor). A
+    sharded or partial input is gathered into a fresh contiguous buffer first, which matches only
+    when the DTensor is laid out contiguously and no offset is given; otherwise the call is refused
+    rather than silently reading other values (except the offset 0 autograd passes back in
+    as_strided's backward: the DTensor's own start).
+    """
+    offset_index = 4 if call.op is aten.as_strided_scatter.default else 3
+    offset = call.arg(offset_index, "storage_offset")
+    in_backward = torch._C._current_graph_task_id() != -1
+    spec = call.input_specs[0]
+    explicit_offset = offset is not None and not (offset == 0 and in_backward)
+    if not spec.is_replicated() and (explicit_offset or not spec.tensor_meta.contiguous):
+        what = "an explicit storage_offset" if explicit_offset else f"the non-contiguous strides {spec.stride}"
+        raise NotImplementedError(
+            f"{call.op} on a DTensor laid out as {spec}, with {what}: as_strided reads memory (the offset "
+            "counts from the tensor's base, the strides walk its layout), and gathering the shards would make "
+            "a fresh contiguous buffer where it reads other values. Call x.redistribute(mesh, [Replicate()] * "
+            "mesh.ndim) first (it then reads that replicated tensor's memory), or index/narrow/.contiguous() "
+            "instead"
+        )
+    return replicated_rule(call)
 
 
 @register_rule(aten.hash_tensor.default)
