@@ -38,6 +38,9 @@ __all__ = [
     "add_comm_observer",
     "remove_comm_observer",
     "set_collective_check",
+    "set_collective_describer",
+    "describe_current_collective",
+    "CHECK_EXCHANGE",
     "active_world",
     "use_world",
 ]
@@ -74,15 +77,40 @@ CollectiveCheck = Callable[["Communicator", str, "torch.Tensor | None", str], No
 
 _collective_check: CollectiveCheck | None = None
 
+CollectiveDescriber = Callable[["Communicator", str, "tuple[int, ...] | None", "torch.dtype | None", str], str]
+"""``describe(comm, kind, shape, dtype, detail)``: one line naming a collective and the user's call site."""
+
+_describer: CollectiveDescriber | None = None
+_current_call = threading.local()
+"""The collective the calling thread is issuing (set by ``_check`` while a check is installed)."""
+
+CHECK_EXCHANGE = "collective check"
+"""The kind of the exchange that compares fingerprints: distinct from every collective, so a rank
+checking a collective while a peer issues it unchecked is a mismatch the threaded world sees."""
+
 
 def set_collective_check(check: CollectiveCheck | None) -> None:
     """Install (or, with None, remove) the hook every collective calls before it runs.
 
-    ``spmd.tensor.debug.check_collectives`` uses it; with none installed a collective pays one
-    global read.
+    ``spmd.tensor.debug.check`` installs it (the warm-up check is on by default); with none
+    installed a collective pays one global read.
     """
     global _collective_check
     _collective_check = check
+
+
+def set_collective_describer(describer: CollectiveDescriber | None) -> None:
+    """Install how a backend names, in a mismatch error, a collective its rank issued unchecked."""
+    global _describer
+    _describer = describer
+
+
+def describe_current_collective(kind: str) -> str:
+    """The calling thread's collective in one line (with its call site when a describer is installed)."""
+    call = getattr(_current_call, "call", None)
+    if call is None or call[1] != kind or _describer is None:
+        return kind
+    return _describer(*call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +174,9 @@ class Communicator(ABC):
         self.size = len(ranks)
         self.timeout_s = timeout_s
         self._views: dict[str, Communicator] = {}
+        self._warmup_counts: dict[Any, int] = {}
+        """How often each rank issued each collective fingerprint while it was checked (the warm-up
+        check's bookkeeping, shared by this group's views and copies)."""
 
     # Identity is what a communicator is (a group of one world): torch.compile guards on it by ``==``.
     def __eq__(self, other: object) -> bool:
@@ -208,6 +239,7 @@ class Communicator(ABC):
         itself a collective, so do not combine it with compiling on rank threads.
         """
         if _collective_check is not None and not torch.compiler.is_compiling():
+            _current_call.call = (self, kind, tuple(tensor.shape), tensor.dtype, detail)
             _collective_check(self, kind, tensor, detail)
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
@@ -252,8 +284,22 @@ class Communicator(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""
         if _collective_check is not None:
+            _current_call.call = (self, "all_gather_object", None, None, "")
             _collective_check(self, "all_gather_object", None, "")
         return self._all_gather_object(obj)
+
+    def _exchange_check(self, fingerprint: Any, digest: int) -> list[Any] | None:
+        """Compare this rank's collective fingerprint with the group's: None if every member's
+        ``digest`` is equal, else every member's fingerprint, in group order.
+
+        One all_gather of 8 bytes; the fingerprints themselves travel only when the digests differ.
+        Backends that can exchange objects cheaply (threads) send the fingerprints at once.
+        """
+        digests = self._all_gather(torch.tensor([digest], dtype=torch.int64))
+        if bool((digests == digests[0]).all()):
+            return None
+        gathered: list[Any] = self._all_gather_object(fingerprint)
+        return gathered
 
     @abstractmethod
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...

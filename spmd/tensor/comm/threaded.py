@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from spmd.tensor.comm.base import (
+    CHECK_EXCHANGE,
     CollectiveAbortedError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -24,6 +25,7 @@ from spmd.tensor.comm.base import (
     World,
     active_world,
     collective_name,
+    describe_current_collective,
     reduce_stack,
     use_world,
 )
@@ -72,6 +74,9 @@ class _Round:
     arrived: set[int] = field(default_factory=set)
     left: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    sides: dict[int, str] | None = None
+    """Set when members called different kinds in this round: each member's own description."""
+    sides_done: threading.Event = field(default_factory=threading.Event)
 
 
 class ThreadedWorld(World):
@@ -121,6 +126,7 @@ class ThreadedWorld(World):
                 self._failure = (rank, error)
             for rnd in self._rounds.values():
                 rnd.done.set()
+                rnd.sides_done.set()
 
     def exchange(
         self,
@@ -130,10 +136,15 @@ class ThreadedWorld(World):
         *,
         mesh_dim: str | None = None,
         timeout_s: float | None = None,
+        describe: Callable[[], str] | None = None,
+        label: str | None = None,
     ) -> list[Any]:
         """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's.
 
-        ``mesh_dim`` names the group in errors; ``timeout_s`` overrides the world's timeout.
+        ``mesh_dim`` names the group in errors; ``timeout_s`` overrides the world's timeout. If the
+        members of a round called different kinds, each describes its own call (``describe()``, run
+        on its own thread) and every member raises ``CollectiveMismatchError`` showing them all.
+        ``label`` names the call in timeout and abort errors (default: ``kind``).
         """
         me = self.current_rank()
         timeout = self.timeout if timeout_s is None else timeout_s
@@ -147,31 +158,28 @@ class ThreadedWorld(World):
                 rnd = self._rounds[key] = _Round(kind, [None] * len(ranks))
                 if self._failure is not None:
                     rnd.done.set()
-            if rnd.kind != kind:
-                error = CollectiveMismatchError(
-                    f"collective mismatch: rank {me} called {collective_name(kind, ranks, mesh_dim)} while another rank "
-                    f"called {rnd.kind} as call #{seq}; every rank must issue the same collectives in order "
-                    "(SPMD_DEBUG=check shows what each rank issued and from where)"
-                )
-                self._failure = self._failure or (me, error)
-                for other in self._rounds.values():
-                    other.done.set()
-                raise error
-            rnd.values[index] = value
-            rnd.arrived.add(me)
-            if len(rnd.arrived) == len(ranks):
-                rnd.done.set()
-        if not rnd.done.wait(timeout):
+            if rnd.kind != kind and rnd.sides is None:
+                rnd.sides = {}
+                rnd.done.set()  # wake the members already waiting: they describe themselves too
+            if rnd.sides is None:
+                rnd.values[index] = value
+                rnd.arrived.add(me)
+                if len(rnd.arrived) == len(ranks):
+                    rnd.done.set()
+        name = collective_name(label or kind, ranks, mesh_dim)
+        if rnd.sides is None and not rnd.done.wait(timeout):
             missing = sorted(set(ranks) - rnd.arrived)
             raise CollectiveTimeoutError(
-                f"rank {me}: {collective_name(kind, ranks, mesh_dim)} timed out after {timeout:g}s waiting for ranks "
+                f"rank {me}: {name} timed out after {timeout:g}s waiting for ranks "
                 f"{missing}, which never arrived; check that every rank issues the same collectives "
                 "(SPMD_DEBUG=check compares them)"
             )
+        if rnd.sides is not None:
+            self._raise_mismatch(rnd, ranks, seq, kind, describe, mesh_dim, timeout)
         if len(rnd.arrived) < len(ranks):
             failed_rank, cause = self._failure or (-1, RuntimeError("unknown"))
             raise CollectiveAbortedError(
-                f"rank {me}: {collective_name(kind, ranks, mesh_dim)} cancelled because rank {failed_rank} failed: "
+                f"rank {me}: {name} cancelled because rank {failed_rank} failed: "
                 f"{type(cause).__name__}: {cause}"
             )
         with self._lock:
@@ -179,6 +187,43 @@ class ThreadedWorld(World):
             if rnd.left == len(ranks):
                 del self._rounds[key]
         return list(rnd.values)
+
+    def _raise_mismatch(
+        self,
+        rnd: _Round,
+        ranks: tuple[int, ...],
+        seq: int,
+        kind: str,
+        describe: Callable[[], str] | None,
+        mesh_dim: str | None,
+        timeout: float,
+    ) -> None:
+        """Members of one round called different kinds: gather each one's description, then raise."""
+        me = self.current_rank()
+        mine = describe() if describe is not None else kind
+        if kind != CHECK_EXCHANGE:
+            mine += " (not checked: this rank had issued it before)"
+        with self._lock:
+            assert rnd.sides is not None
+            rnd.sides[me] = mine
+            if len(rnd.sides) == len(ranks):
+                rnd.sides_done.set()
+        rnd.sides_done.wait(timeout)  # released early if the world aborts
+        with self._lock:
+            sides = dict(rnd.sides)
+        by_text: dict[str, list[int]] = {}
+        for rank in ranks:
+            if rank in sides:
+                by_text.setdefault(sides[rank], []).append(rank)
+        lines = "\n".join(f"  ranks {members}: {text}" for text, members in by_text.items())
+        missing = sorted(set(ranks) - set(sides))
+        absent = f"\n  ranks {missing}: never arrived" if missing else ""
+        group = collective_name("", ranks, mesh_dim).strip()
+        raise CollectiveMismatchError(
+            f"rank {me}: collective check: the ranks {group} disagree on their collective #{seq} there:\n"
+            f"{lines}{absent}\nEvery rank must issue the same collectives in the same order; make the ranks "
+            "above take the same path (their call sites show where)."
+        )
 
 
 class ThreadedCommunicator(Communicator):
@@ -197,7 +242,26 @@ class ThreadedCommunicator(Communicator):
         # collective returns, while a slower one is still reading it.
         if isinstance(value, torch.Tensor):
             value = value.clone()
-        return self.world.exchange(self.ranks, kind, value, mesh_dim=self.mesh_dim, timeout_s=self.timeout_s)
+        return self.world.exchange(
+            self.ranks,
+            kind,
+            value,
+            mesh_dim=self.mesh_dim,
+            timeout_s=self.timeout_s,
+            describe=lambda: describe_current_collective(kind),
+        )
+
+    def _exchange_check(self, fingerprint: Any, digest: int) -> list[Any] | None:
+        """Threads hand each other the fingerprints themselves, in one exchange of its own kind."""
+        return self.world.exchange(
+            self.ranks,
+            CHECK_EXCHANGE,
+            fingerprint,
+            mesh_dim=self.mesh_dim,
+            timeout_s=self.timeout_s,
+            describe=lambda: str(fingerprint),
+            label=fingerprint.collective,  # a rank waiting at the check waits to issue that collective
+        )
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._exchange("all_gather", tensor))

@@ -7,16 +7,22 @@
 * ``fallback_report()`` -- every op that ran on the replicate fallback, with calls and bytes
   gathered per rank (``reset_fallback_report()`` starts afresh).
 * ``SPMD_DEBUG=check`` / ``with check_collectives():`` -- ranks compare each collective before
-  issuing it and all raise ``CollectiveMismatchError`` if they disagree.
+  issuing it and all raise ``CollectiveMismatchError`` if they disagree. The first two runs of each
+  distinct collective are checked by default (the warm-up check; ``SPMD_DEBUG=nocheck`` /
+  ``set_warmup_check(False)`` / ``with warmup_check(False):`` turn it off).
 * ``SPMD_DEBUG=explicit`` / ``with explicit_redistribution():`` -- an op that would move an input
   between ranks on its own raises ``ExplicitRedistributionError`` with the ``redistribute`` line to write.
 """
 
 from spmd.tensor.debug.check import (
+    WARMUP_RUNS,
     CollectiveFingerprint,
     CollectiveMismatchError,
     check_collectives,
+    is_warmup_check,
     set_check_collectives,
+    set_warmup_check,
+    warmup_check,
 )
 from spmd.tensor.debug.comm_mode import CommDebugMode
 from spmd.tensor.debug.environment import configure_from_environment
@@ -46,6 +52,10 @@ __all__ = [
     "FallbackRecord",
     "check_collectives",
     "set_check_collectives",
+    "warmup_check",
+    "set_warmup_check",
+    "is_warmup_check",
+    "WARMUP_RUNS",
     "CollectiveFingerprint",
     "CollectiveMismatchError",
     "explicit_redistribution",

@@ -1,14 +1,21 @@
-"""Collective check: before each collective, the ranks of its group compare what they are about to do.
+"""Collective check: before a collective, the ranks of its group compare what they are about to do.
 
-Off by default. ``SPMD_DEBUG=check`` turns it on for the whole process; ``with check_collectives():``
-turns it on for the calling rank (every rank must enter it at the same point of its program, as
-with any collective). Each collective is then preceded by one 8-byte all_gather over the same
-group, of a digest of the rank's ``CollectiveFingerprint``: the collective, its mesh dim and ranks,
-the tensor's shape and dtype, the reduce op (or source), the op and redistribute step that issued
-it, and the user's call site. If the digests differ, the ranks exchange the fingerprints
-themselves and every rank of the group raises
-``CollectiveMismatchError`` naming the ranks that differ and showing both fingerprints, instead of
-exchanging data that would silently mix two different computations (or hang).
+Two levels. The **warm-up check** is on by default: the first ``WARMUP_RUNS`` (2) times a rank
+issues a given collective (same kind, group, mesh dim, shape, dtype, reduce op or source, and the
+redistribute step with the tensor's spec) it is checked, after that it runs unchecked, so a steady
+training loop pays one dict lookup per collective. ``SPMD_DEBUG=nocheck``,
+``set_warmup_check(False)`` or ``with warmup_check(False):`` turn it off. The **full check**,
+``SPMD_DEBUG=check`` for the whole process or ``with check_collectives():`` for the calling rank
+(every rank must enter it at the same point of its program), checks every collective.
+
+A check is one exchange over the collective's own group of a digest of each rank's
+``CollectiveFingerprint`` (8 bytes over c10d; the fingerprint itself between threads). If they
+differ, every rank of the group raises ``CollectiveMismatchError`` naming the ranks that differ and
+showing both fingerprints, instead of exchanging data that would silently mix two different
+computations (or hang). The ranks count fingerprints, not call sites, so ranks that agree count
+alike and check the same collectives; ranks that disagree at a collective one of them has issued
+before (a rank-dependent branch) meet a check on one side and the collective on the other, which
+the threaded world reports the same way.
 
 The call site is shown but not compared: the same collective may legally be issued from two lines
 (two branches of an ``if`` that do the same thing). A rank that never arrives at the exchange is
@@ -30,11 +37,31 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.comm.base import CollectiveMismatchError, Communicator, set_collective_check
+from spmd.tensor.comm.base import (
+    CollectiveMismatchError,
+    Communicator,
+    set_collective_check,
+    set_collective_describer,
+)
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT
 from spmd.tensor.trace import STATE, current_op
 
-__all__ = ["CollectiveFingerprint", "CollectiveMismatchError", "check_collectives", "set_check_collectives"]
+__all__ = [
+    "CollectiveFingerprint",
+    "CollectiveMismatchError",
+    "check_collectives",
+    "set_check_collectives",
+    "warmup_check",
+    "set_warmup_check",
+    "is_warmup_check",
+    "WARMUP_RUNS",
+]
+
+WARMUP_RUNS = 2
+"""How many times each rank checks each distinct collective before it runs it unchecked."""
+WARMUP_KEYS_LIMIT = 100_000
+"""Distinct collectives remembered per group; beyond it (shapes that never repeat) new ones run
+unchecked, on every rank alike since ranks that agree remember the same ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,20 +114,25 @@ class CollectiveFingerprint:
 _local = threading.local()
 _lock = threading.Lock()
 _users = 0
-"""Threads inside check_collectives (plus one while SPMD_DEBUG=check): the hook is installed while > 0."""
+"""Threads inside check_collectives (plus one while SPMD_DEBUG=check): ops name themselves while > 0."""
 _everywhere = False
+_warmup = True
+"""The warm-up check's process-wide switch (``set_warmup_check``); ``warmup_check`` overrides it per thread."""
 
 
 def _enabled_here() -> bool:
     return _everywhere or getattr(_local, "depth", 0) > 0
 
 
+def _warmup_here() -> bool:
+    override: bool | None = getattr(_local, "warmup", None)
+    return _warmup if override is None else override
+
+
 def _retain() -> None:
     global _users
     with _lock:
         _users += 1
-        if _users == 1:
-            set_collective_check(_check_before_collective)
         STATE.checks = _users
         STATE.refresh()
 
@@ -109,8 +141,6 @@ def _release() -> None:
     global _users
     with _lock:
         _users -= 1
-        if _users == 0:
-            set_collective_check(None)
         STATE.checks = _users
         STATE.refresh()
 
@@ -132,7 +162,7 @@ def check_collectives() -> Iterator[None]:
 
 
 def set_check_collectives(enabled: bool) -> None:
-    """Turn the check on or off for every rank of this process (what ``SPMD_DEBUG=check`` does)."""
+    """Turn the full check on or off for every rank of this process (what ``SPMD_DEBUG=check`` does)."""
     global _everywhere
     if enabled == _everywhere:
         return
@@ -141,6 +171,36 @@ def set_check_collectives(enabled: bool) -> None:
         _retain()
     else:
         _release()
+
+
+def set_warmup_check(enabled: bool) -> None:
+    """Turn the warm-up check on (the default) or off for every rank of this process.
+
+    ``SPMD_DEBUG=nocheck`` turns it off. Every rank of a group must use the same setting: a rank
+    that checks while its peers do not waits for them at the check.
+    """
+    global _warmup
+    _warmup = enabled
+
+
+def is_warmup_check() -> bool:
+    """Whether the calling thread's collectives are warm-up checked."""
+    return _warmup_here()
+
+
+@contextlib.contextmanager
+def warmup_check(enabled: bool) -> Iterator[None]:
+    """Turn the warm-up check on or off for the calling rank inside the block (every rank alike).
+
+    >>> with warmup_check(False):  # doctest: +SKIP
+    ...     train_step(model, batch)
+    """
+    outer = getattr(_local, "warmup", None)
+    _local.warmup = enabled
+    try:
+        yield
+    finally:
+        _local.warmup = outer
 
 
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,15 +225,17 @@ def _call_site() -> str:
     return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def fingerprint(comm: Communicator, kind: str, tensor: torch.Tensor | None, detail: str) -> CollectiveFingerprint:
+def fingerprint(
+    comm: Communicator, kind: str, shape: tuple[int, ...] | None, dtype: torch.dtype | None, detail: str
+) -> CollectiveFingerprint:
     """The calling rank's fingerprint of the collective ``kind`` it is about to issue on ``comm``."""
     return CollectiveFingerprint(
         rank=comm.ranks[comm.local_rank],
         collective=kind,
         mesh_dim=comm.mesh_dim,
         ranks=comm.ranks,
-        shape=tuple(tensor.shape) if tensor is not None else None,
-        dtype=DTENSOR_DTYPE_SHORT.get(tensor.dtype, str(tensor.dtype)) if tensor is not None else None,
+        shape=shape,
+        dtype=DTENSOR_DTYPE_SHORT.get(dtype, str(dtype)) if dtype is not None else None,
         detail=detail,
         placements=", step ".join(str(part) for part in comm.context),
         op=current_op(),
@@ -181,16 +243,37 @@ def fingerprint(comm: Communicator, kind: str, tensor: torch.Tensor | None, deta
     )
 
 
+def _describe(
+    comm: Communicator, kind: str, shape: tuple[int, ...] | None, dtype: torch.dtype | None, detail: str
+) -> str:
+    return str(fingerprint(comm, kind, shape, dtype, detail))
+
+
 def _check_before_collective(comm: Communicator, kind: str, tensor: torch.Tensor | None, detail: str) -> None:
+    """The hook every collective calls first: the full check, else the warm-up check's count."""
     if not _enabled_here():
+        if not _warmup_here():
+            return
+        # Keyed by what the fingerprint compares (not the call site), so ranks that agree count alike.
+        counts = comm._warmup_counts
+        key = (
+            comm.local_rank,
+            kind,
+            comm.mesh_dim,
+            tensor.shape if tensor is not None else None,
+            tensor.dtype if tensor is not None else None,
+            detail,
+            comm.context,
+        )
+        seen = counts.get(key, 0)
+        if seen >= WARMUP_RUNS or (seen == 0 and len(counts) >= WARMUP_KEYS_LIMIT):
+            return
+        counts[key] = seen + 1
+    shape = tuple(tensor.shape) if tensor is not None else None
+    mine = fingerprint(comm, kind, shape, tensor.dtype if tensor is not None else None, detail)
+    everyone: list[CollectiveFingerprint] | None = comm._exchange_check(mine, mine.digest())
+    if everyone is None:
         return
-    mine = fingerprint(comm, kind, tensor, detail)
-    # The backend's own collectives (not recorded, not checked again): first an 8-byte digest of the
-    # compared fields, and only when the digests differ the fingerprints themselves, for the message.
-    digests = comm._all_gather(torch.tensor([mine.digest()], dtype=torch.int64))
-    if bool((digests == digests[0]).all()):
-        return
-    everyone: list[CollectiveFingerprint] = comm._all_gather_object(mine)
     votes = Counter(fp.compared() for fp in everyone)
     if len(votes) == 1:
         return
@@ -222,3 +305,7 @@ def _mismatch_message(
         "Every rank must issue the same collectives, with the same shapes, dtypes, placements and reduce "
         "ops, in the same order; make the ranks above take the same path (their call sites show where)."
     )
+
+
+set_collective_describer(_describe)
+set_collective_check(_check_before_collective)

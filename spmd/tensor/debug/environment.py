@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from spmd.tensor.debug.check import set_check_collectives
+from spmd.tensor.debug.check import set_check_collectives, set_warmup_check
 from spmd.tensor.debug.explicit import set_explicit_redistribution
 from spmd.tensor.debug.verbose import set_verbose
 from spmd.tensor.trace import STATE, parse_ranks
@@ -17,7 +17,8 @@ __all__ = ["configure_from_environment"]
 
 
 def configure_from_environment() -> None:
-    """``SPMD_DEBUG=verbose`` turns verbose logging on, ``SPMD_DEBUG=check`` the collective check
+    """``SPMD_DEBUG=verbose`` turns verbose logging on, ``SPMD_DEBUG=check`` the full collective check,
+    ``SPMD_DEBUG=nocheck`` the default warm-up check off
     (``SPMD_DEBUG=verbose,check`` both), ``SPMD_DEBUG=explicit`` forbids implicit redistribution;
     ``SPMD_DEBUG_RANKS`` picks the ranks that log."""
     ranks = os.environ.get("SPMD_DEBUG_RANKS")
@@ -28,5 +29,7 @@ def configure_from_environment() -> None:
         set_verbose(True, ranks=STATE.ranks)
     if "check" in modes:
         set_check_collectives(True)
+    if "nocheck" in modes:
+        set_warmup_check(False)
     if "explicit" in modes:
         set_explicit_redistribution(True)
