@@ -24,6 +24,7 @@ from spmd.tensor.call_layout import (
     unwrap_call,
 )
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.list_by_mesh import meshes_of_positions, run_per_mesh
 from spmd.tensor.ops.foreach import ListRule
 from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
 from spmd.tensor.placement import Placement, format_placements
@@ -120,7 +121,10 @@ def dispatch_list(dispatcher: Dispatcher, entry: OpEntry, args: tuple[Any, ...],
             if mesh is None:
                 mesh = spec.mesh
             elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise mesh_mismatch_error(op, mesh, spec.mesh)
+                meshes = meshes_of_positions(op, args, kwargs)
+                if meshes is None:  # meshes mixed within a list position (or outside the lists)
+                    raise mesh_mismatch_error(op, mesh, spec.mesh)
+                return run_per_mesh(op, args, kwargs, meshes)
             positions.append(i)
             key_parts.append(spec)
         elif isinstance(a, torch.Tensor):
