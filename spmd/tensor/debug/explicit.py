@@ -164,9 +164,19 @@ def _message(op: Any, decision: Decision, moved: list[_Moved]) -> str:
         )
     if torch._C._current_graph_task_id() != -1:
         lines.append(
-            "This op runs in backward, for a gradient: lay out the forward's tensors so that their gradients "
-            "need no move, or call backward() outside explicit_redistribution()."
+            "This op runs in backward, for a gradient, so there is no line of the forward to add it to: lay "
+            "out the forward's tensors so that their gradients need no move, or call backward() outside "
+            "explicit_redistribution()."
         )
+        if any(
+            isinstance(dt._spec.placements[step.mesh_dim], Partial) for _, _, dt, _, steps in moved for step in steps
+        ):
+            lines.append(
+                "The gradient is Partial (the sum a replicated forward input owes its shards' consumers), "
+                "reduced where an op first needs it; a forward redistribute that changes that input's "
+                "placement (as sequence parallelism's Shard(1) -> Replicate gather does) reduces it in its own "
+                "backward instead, explicitly."
+            )
     return "\n".join(lines)
 
 

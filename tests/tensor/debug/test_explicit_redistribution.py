@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from spmd.tensor.debug import (
 from spmd.tensor.debug.environment import configure_from_environment
 from spmd.tensor.ops.registry import REGISTRY
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from spmd.testing import assert_same_grads, run_threaded, seeded_module
+from spmd.testing import assert_same_grads, load_script, run_threaded, seeded_module
 from spmd.testing import seeded_randn as randn
 
 aten = torch.ops.aten
@@ -182,6 +183,17 @@ def test_a_tensor_parallel_mlp_trains_under_the_mode() -> None:
         assert_same_grads(model, reference)
 
     run_threaded(program, 4)
+
+
+def test_the_demo_transformer_with_sequence_parallelism_trains_under_the_mode() -> None:
+    """dp x tp with sequence parallelism: every move, forward and backward, is a style's redistribute."""
+    demo = load_script(Path(__file__).resolve().parents[3] / "examples" / "train_transformer.py")
+    cfg = demo.Config(steps=2, sequence_parallel=True)
+    with explicit_redistribution():
+        per_rank = run_threaded(demo.train, cfg.dp * cfg.tp, cfg)
+    torch.testing.assert_close(
+        torch.tensor(per_rank[0]), torch.tensor(demo.train_single_device(cfg)), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_an_op_without_rule_raises_instead_of_gathering() -> None:
