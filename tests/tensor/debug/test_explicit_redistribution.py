@@ -168,6 +168,44 @@ def test_an_optimizer_step_on_matching_gradients_runs() -> None:
         run_threaded(program, 4)
 
 
+@pytest.mark.parametrize(
+    ("options", "op", "argument"),
+    [
+        ({"foreach": True}, "aten._foreach_lerp_.Scalar", "tensors1[0]"),
+        ({"fused": True}, "aten._fused_adamw_.default", "grads[0]"),
+        ({"foreach": False}, "aten.lerp_.Scalar", "end"),
+    ],
+    ids=["foreach", "fused", "for-loop"],
+)
+def test_an_optimizer_step_on_a_partial_gradient_raises_until_it_is_reduced(
+    options: dict[str, bool], op: str, argument: str
+) -> None:
+    """A Partial(sum) gradient (a dp-sharded batch's) would be all-reduced inside the optimizer's ops."""
+    weight = randn(8, 4, seed=12)
+    reference = nn.Parameter(weight.clone())
+    reference.grad = torch.full((8, 4), 1.0)
+    torch.optim.AdamW([reference], lr=0.1, foreach=False).step()
+
+    def program() -> str:
+        mesh = init_device_mesh("cpu", (4,))
+        grad = DTensor.from_local(torch.full((8, 4), 0.25), mesh, [Partial()], run_check=False)
+        param = nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
+        param.grad = grad
+        message = error_of(torch.optim.AdamW([param], lr=0.1, **options).step)
+        # (the refused step may have begun: weight decay ran before the op that raised)
+        param = nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
+        param.grad = grad.redistribute(mesh, [Replicate()])  # reduced once, in the program
+        torch.optim.AdamW([param], lr=0.1, **options).step()
+        torch.testing.assert_close(param.full_tensor(), reference.detach())
+        return message
+
+    with explicit_redistribution():
+        message = run_threaded(program, 4)[0]
+    assert message.startswith(f"{op} would redistribute its inputs implicitly")
+    assert f"({argument}): f32[8,4] (P(sum)) on mesh(d0=4) -> (R)" in message
+    assert "mesh dim 0: P(sum) -> R  all_reduce(sum)" in message
+
+
 def test_a_tensor_parallel_mlp_trains_under_the_mode() -> None:
     def program() -> None:
         mesh = init_device_mesh("cpu", (4,))
