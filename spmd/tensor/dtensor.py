@@ -21,6 +21,8 @@ from spmd.compile import hooks as compile_hooks
 from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
 from spmd.compile.cache_key import stable_cache_key
 from spmd.tensor.collectives import agree, broadcast_from
+from spmd.tensor.comm.base import full_check_here
+from spmd.tensor.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
 from spmd.tensor.comm.threaded import thread_rank
 from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
@@ -477,6 +479,11 @@ class _FromLocal(torch.autograd.Function):
         spec = DTensorSpec(mesh, placements, TensorMeta(tuple(global_shape), tuple(stride), local.dtype))
         if not member:  # a rank outside the mesh holds nothing of the tensor (its shape is still global)
             local = local.new_empty(0)
+        ctx.label = ""
+        if member and full_check_here() and not torch.compiler.is_compiling():  # SPMD_DEBUG=check
+            ctx.label = _label_local(local, "DTensor.from_local")
+            if not run_check:  # run_check broadcast the replicated dims already
+                _compare_replicated(local, spec, placements, f"the local tensor passed to {ctx.label}", _FROM_LOCAL_FIX)
         ctx.spec = spec
         ctx.grad_placements = grad_placements
         # The DTensor must not alias the caller's tensor object for autograd, but may share storage.
@@ -487,6 +494,9 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if spec.mesh.get_coordinate() is None:  # the rank held nothing of the tensor: its local gets no gradient
             return (None,) * 7
+        if full_check_here():
+            what = f"the gradient arriving at the backward of {ctx.label or 'DTensor.from_local'}"
+            _compare_replicated(grad._local_tensor, grad._spec, grad._spec.placements, what, _GRAD_FIX)
         if ctx.grad_placements is not None:
             return redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements), *(None,) * 6
         target = grad_placements_for(spec.placements)
@@ -508,16 +518,50 @@ class _ToLocal(torch.autograd.Function):
     def forward(ctx: Any, input: DTensor, grad_placements: tuple[Placement, ...] | None) -> torch.Tensor:
         ctx.spec = input._spec
         ctx.grad_placements = grad_placements
+        ctx.label = ""
+        if full_check_here() and not torch.compiler.is_compiling():  # SPMD_DEBUG=check
+            ctx.label = _label_local(input, "to_local()")
         return input._local_tensor.view_as(input._local_tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
+        if full_check_here() and spec.mesh.get_coordinate() is not None:
+            what = f"the gradient arriving at the backward of {ctx.label or 'to_local()'}"
+            _compare_replicated(grad, spec, placements, what, _GRAD_FIX)
         grad_spec = DTensorSpec(
             spec.mesh, tuple(placements), TensorMeta(spec.shape, contiguous_strides(spec.shape), grad.dtype)
         )
         return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+_FROM_LOCAL_FIX = (
+    "Replicate() promises the same values on every rank of that dim: pass the same values (the same seed, "
+    "or from_local(..., run_check=True) to broadcast them), claim Partial() if each rank holds a part to be "
+    "summed, or all_reduce the local tensor first."
+)
+_GRAD_FIX = (
+    "The local code after to_local() made the gradient depend on the rank (rank-dependent inputs, or a "
+    "local loss): pass to_local(grad_placements=[Partial()]) (or from_local(..., grad_placements=...)) so "
+    "the per-rank gradients are summed, or all_reduce them yourself."
+)
+
+
+def _label_local(tensor: torch.Tensor, call: str) -> str:
+    """``to_local() of Linear.weight at train.py:12 in forward``: how replica errors name a tensor."""
+    frame = user_frame()
+    name = tensor_label(tensor, frame)
+    return f"{call} of {name} at {call_site(frame)}" if name else f"{call} at {call_site(frame)}"
+
+
+def _compare_replicated(
+    local: torch.Tensor, spec: DTensorSpec, placements: Sequence[Placement], what: str, fix: str
+) -> None:
+    """The replica check (SPMD_DEBUG=check) on every mesh dim of ``placements`` that says Replicate."""
+    for d, placement in enumerate(placements):
+        if isinstance(placement, Replicate) and spec.mesh.shape[d] > 1:
+            compare_replicas(local, spec.mesh.get_communicator(d), what, fix)
 
 
 def _no_dispatcher(func: Any, args: Any, kwargs: Any) -> Any:

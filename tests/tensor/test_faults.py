@@ -140,7 +140,7 @@ def test_disagreeing_reduce_ops_raise_on_every_rank_under_the_check() -> None:
     assert len({m.split(": ", 1)[1] for m in messages}) == 1, "every rank raises the same error"
     message = messages[0]
     assert (
-        "the ranks on mesh dim 'tp' (ranks [0, 1, 2, 3]) disagree on their next collective; ranks [0] differ from rank 1"
+        "the ranks on mesh dim 'tp' (ranks [0, 1, 2, 3]) disagree on a collective (their #1 on this group); ranks [0] differ from rank 1"
         in message
     )
     assert "ranks [0]: all_reduce(sum) on mesh dim 'tp' f32[2,2] in redistribute [f32[2,2] (P(sum))" in message

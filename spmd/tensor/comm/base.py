@@ -38,9 +38,10 @@ __all__ = [
     "add_comm_observer",
     "remove_comm_observer",
     "set_collective_check",
-    "set_collective_describer",
-    "describe_current_collective",
-    "CHECK_EXCHANGE",
+    "full_check_here",
+    "CheckTicket",
+    "mismatch_side",
+    "mismatch_error",
     "active_world",
     "use_world",
 ]
@@ -76,41 +77,73 @@ CollectiveCheck = Callable[["Communicator", str, "torch.Tensor | None", str], No
 """``check(comm, kind, tensor, detail)``: runs before each collective while installed (debug/check.py)."""
 
 _collective_check: CollectiveCheck | None = None
-
-CollectiveDescriber = Callable[["Communicator", str, "tuple[int, ...] | None", "torch.dtype | None", str], str]
-"""``describe(comm, kind, shape, dtype, detail)``: one line naming a collective and the user's call site."""
-
-_describer: CollectiveDescriber | None = None
-_current_call = threading.local()
-"""The collective the calling thread is issuing (set by ``_check`` while a check is installed)."""
-
-CHECK_EXCHANGE = "collective check"
-"""The kind of the exchange that compares fingerprints: distinct from every collective, so a rank
-checking a collective while a peer issues it unchecked is a mismatch the threaded world sees."""
+_full_check_query: Callable[[], bool] | None = None
+_side_of: Callable[[CheckTicket], Any] | None = None
+_mismatch_error: Callable[[Communicator, int, list[Any]], CollectiveMismatchError] | None = None
 
 
-def set_collective_check(check: CollectiveCheck | None) -> None:
+@dataclass(slots=True)
+class CheckTicket:
+    """What the collective check knows of one collective a rank is about to issue.
+
+    The threaded world carries it in the collective's own round (no extra exchange): once every
+    member has deposited, the members compare the ``key`` of each ticket if any of them is
+    ``checked``. Over c10d, ``Communicator._verify`` exchanges digests before the collective.
+    """
+
+    comm: Communicator
+    """The communicator as the caller holds it (with the redistribute step attached)."""
+    kind: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    detail: str
+    key: tuple[Any, ...]
+    """What ranks must agree on, as values equal across ranks (not strings: building one is cheap)."""
+    checked: bool
+    """True for the collectives the check compares (the warm-up's first runs, every one under the full check)."""
+
+
+def set_collective_check(
+    check: CollectiveCheck | None,
+    *,
+    full_check_here: Callable[[], bool] | None = None,
+    side_of: Callable[[CheckTicket], Any] | None = None,
+    mismatch_error: Callable[[Communicator, int, list[Any]], CollectiveMismatchError] | None = None,
+) -> None:
     """Install (or, with None, remove) the hook every collective calls before it runs.
 
     ``spmd.tensor.debug.check`` installs it (the warm-up check is on by default); with none
-    installed a collective pays one global read.
+    installed a collective pays one global read. ``full_check_here()`` says whether the calling
+    rank checks every collective (``SPMD_DEBUG=check``): the replica checks run only then.
+    ``side_of(ticket)`` is a rank's fingerprint of its collective (run on its own thread, so the
+    call site is its own) and ``mismatch_error(comm, seq, sides)`` the error every member raises
+    when the sides (one per member, in group order) disagree.
     """
-    global _collective_check
+    global _collective_check, _full_check_query, _side_of, _mismatch_error
     _collective_check = check
+    _full_check_query = full_check_here
+    _side_of = side_of
+    _mismatch_error = mismatch_error
 
 
-def set_collective_describer(describer: CollectiveDescriber | None) -> None:
-    """Install how a backend names, in a mismatch error, a collective its rank issued unchecked."""
-    global _describer
-    _describer = describer
+def full_check_here() -> bool:
+    """Whether the calling rank runs the full collective check (and with it the replica checks)."""
+    return _full_check_query is not None and _full_check_query()
 
 
-def describe_current_collective(kind: str) -> str:
-    """The calling thread's collective in one line (with its call site when a describer is installed)."""
-    call = getattr(_current_call, "call", None)
-    if call is None or call[1] != kind or _describer is None:
-        return kind
-    return _describer(*call)
+def mismatch_side(ticket: CheckTicket | None, kind: str) -> Any:
+    """This rank's side of a disagreement: its fingerprint, or just the kind when no check saw it."""
+    if ticket is None or _side_of is None:
+        return f"{kind} (issued from compiled code or by spmd itself: not fingerprinted)"
+    return _side_of(ticket)
+
+
+def mismatch_error(comm: Communicator, seq: int, sides: list[Any]) -> CollectiveMismatchError:
+    """The error each member raises when ``sides`` (one per member, in group order) disagree."""
+    if _mismatch_error is not None:
+        return _mismatch_error(comm, seq, sides)
+    lines = "\n".join(f"  rank {rank}: {side}" for rank, side in zip(comm.ranks, sides))
+    return CollectiveMismatchError(f"collective #{seq} {comm.describe('')}: the ranks disagree:\n{lines}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +208,8 @@ class Communicator(ABC):
         self.timeout_s = timeout_s
         self._views: dict[str, Communicator] = {}
         self._warmup_counts: dict[Any, int] = {}
-        """How often each rank issued each collective fingerprint while it was checked (the warm-up
-        check's bookkeeping, shared by this group's views and copies)."""
+        """How often each rank checked each distinct collective (the warm-up check's bookkeeping,
+        shared by this group's views and copies)."""
 
     # Identity is what a communicator is (a group of one world): torch.compile guards on it by ``==``.
     def __eq__(self, other: object) -> bool:
@@ -239,7 +272,6 @@ class Communicator(ABC):
         itself a collective, so do not combine it with compiling on rank threads.
         """
         if _collective_check is not None and not torch.compiler.is_compiling():
-            _current_call.call = (self, kind, tuple(tensor.shape), tensor.dtype, detail)
             _collective_check(self, kind, tensor, detail)
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
@@ -284,22 +316,23 @@ class Communicator(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""
         if _collective_check is not None:
-            _current_call.call = (self, "all_gather_object", None, None, "")
             _collective_check(self, "all_gather_object", None, "")
         return self._all_gather_object(obj)
 
-    def _exchange_check(self, fingerprint: Any, digest: int) -> list[Any] | None:
-        """Compare this rank's collective fingerprint with the group's: None if every member's
-        ``digest`` is equal, else every member's fingerprint, in group order.
+    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+        """Run the collective check for ``ticket`` before the collective (c10d): if it is
+        ``checked``, all-gather an 8-byte ``digest()`` of each member's fingerprint and, only when
+        they differ, the fingerprints themselves; then every member raises the same error.
 
-        One all_gather of 8 bytes; the fingerprints themselves travel only when the digests differ.
-        Backends that can exchange objects cheaply (threads) send the fingerprints at once.
+        Every member must make the same call (ranks that agree check the same collectives).
         """
-        digests = self._all_gather(torch.tensor([digest], dtype=torch.int64))
+        if not ticket.checked:
+            return
+        digests = self._all_gather(torch.tensor([digest()], dtype=torch.int64))
         if bool((digests == digests[0]).all()):
-            return None
-        gathered: list[Any] = self._all_gather_object(fingerprint)
-        return gathered
+            return
+        sides: list[Any] = self._all_gather_object(mismatch_side(ticket, ticket.kind))
+        raise mismatch_error(self, -1, sides)
 
     @abstractmethod
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...

@@ -17,15 +17,15 @@ from typing import Any, TypeVar
 import torch
 
 from spmd.tensor.comm.base import (
-    CHECK_EXCHANGE,
+    CheckTicket,
     CollectiveAbortedError,
-    CollectiveMismatchError,
     CollectiveTimeoutError,
     Communicator,
     World,
     active_world,
     collective_name,
-    describe_current_collective,
+    mismatch_error,
+    mismatch_side,
     reduce_stack,
     use_world,
 )
@@ -50,6 +50,8 @@ class _RankThread(threading.local):
 
 
 _current = _RankThread()
+_pending = threading.local()
+"""The check ticket of the collective the calling thread is about to issue (see ``_verify``)."""
 
 
 def thread_rank() -> int | None:
@@ -71,11 +73,12 @@ def current_threaded_world() -> ThreadedWorld | None:
 class _Round:
     kind: str
     values: list[Any]
+    tickets: list[CheckTicket | None]
     arrived: set[int] = field(default_factory=set)
     left: int = 0
     done: threading.Event = field(default_factory=threading.Event)
-    sides: dict[int, str] | None = None
-    """Set when members called different kinds in this round: each member's own description."""
+    sides: dict[int, Any] | None = None
+    """Set when the members disagree (different kinds, or checked tickets that differ): each one's side."""
     sides_done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -136,15 +139,16 @@ class ThreadedWorld(World):
         *,
         mesh_dim: str | None = None,
         timeout_s: float | None = None,
-        describe: Callable[[], str] | None = None,
-        label: str | None = None,
+        ticket: CheckTicket | None = None,
+        comm: Communicator | None = None,
     ) -> list[Any]:
         """Deposit ``value`` for the caller's next ``kind`` collective on ``ranks``; return everyone's.
 
-        ``mesh_dim`` names the group in errors; ``timeout_s`` overrides the world's timeout. If the
-        members of a round called different kinds, each describes its own call (``describe()``, run
-        on its own thread) and every member raises ``CollectiveMismatchError`` showing them all.
-        ``label`` names the call in timeout and abort errors (default: ``kind``).
+        ``mesh_dim`` names the group in errors; ``timeout_s`` overrides the world's timeout.
+        ``ticket`` is the collective check's view of this call: once all members have deposited,
+        if any ticket is ``checked``, the tickets' keys are compared. If the members called
+        different kinds or their keys differ, each describes its own side (on its own thread) and
+        every member raises the same ``CollectiveMismatchError`` (``comm`` words it).
         """
         me = self.current_rank()
         timeout = self.timeout if timeout_s is None else timeout_s
@@ -155,7 +159,7 @@ class ThreadedWorld(World):
             key = (ranks, seq)
             rnd = self._rounds.get(key)
             if rnd is None:
-                rnd = self._rounds[key] = _Round(kind, [None] * len(ranks))
+                rnd = self._rounds[key] = _Round(kind, [None] * len(ranks), [None] * len(ranks))
                 if self._failure is not None:
                     rnd.done.set()
             if rnd.kind != kind and rnd.sides is None:
@@ -163,10 +167,11 @@ class ThreadedWorld(World):
                 rnd.done.set()  # wake the members already waiting: they describe themselves too
             if rnd.sides is None:
                 rnd.values[index] = value
+                rnd.tickets[index] = ticket
                 rnd.arrived.add(me)
                 if len(rnd.arrived) == len(ranks):
                     rnd.done.set()
-        name = collective_name(label or kind, ranks, mesh_dim)
+        name = collective_name(kind, ranks, mesh_dim)
         if rnd.sides is None and not rnd.done.wait(timeout):
             missing = sorted(set(ranks) - rnd.arrived)
             raise CollectiveTimeoutError(
@@ -174,13 +179,16 @@ class ThreadedWorld(World):
                 f"{missing}, which never arrived; check that every rank issues the same collectives "
                 "(SPMD_DEBUG=check compares them)"
             )
+        if rnd.sides is None and len(rnd.arrived) == len(ranks) and _tickets_disagree(rnd.tickets):
+            with self._lock:  # every member sees the same tickets, so every member gets here
+                if rnd.sides is None:
+                    rnd.sides = {}
         if rnd.sides is not None:
-            self._raise_mismatch(rnd, ranks, seq, kind, describe, mesh_dim, timeout)
+            self._raise_mismatch(rnd, ranks, seq, kind, ticket, comm, timeout)
         if len(rnd.arrived) < len(ranks):
             failed_rank, cause = self._failure or (-1, RuntimeError("unknown"))
             raise CollectiveAbortedError(
-                f"rank {me}: {name} cancelled because rank {failed_rank} failed: "
-                f"{type(cause).__name__}: {cause}"
+                f"rank {me}: {name} cancelled because rank {failed_rank} failed: {type(cause).__name__}: {cause}"
             )
         with self._lock:
             rnd.left += 1
@@ -194,15 +202,13 @@ class ThreadedWorld(World):
         ranks: tuple[int, ...],
         seq: int,
         kind: str,
-        describe: Callable[[], str] | None,
-        mesh_dim: str | None,
+        ticket: CheckTicket | None,
+        comm: Communicator | None,
         timeout: float,
     ) -> None:
-        """Members of one round called different kinds: gather each one's description, then raise."""
+        """The members of one round disagree: gather each one's side, then raise the same error."""
         me = self.current_rank()
-        mine = describe() if describe is not None else kind
-        if kind != CHECK_EXCHANGE:
-            mine += " (not checked: this rank had issued it before)"
+        mine = mismatch_side(ticket, kind)
         with self._lock:
             assert rnd.sides is not None
             rnd.sides[me] = mine
@@ -210,20 +216,18 @@ class ThreadedWorld(World):
                 rnd.sides_done.set()
         rnd.sides_done.wait(timeout)  # released early if the world aborts
         with self._lock:
-            sides = dict(rnd.sides)
-        by_text: dict[str, list[int]] = {}
-        for rank in ranks:
-            if rank in sides:
-                by_text.setdefault(sides[rank], []).append(rank)
-        lines = "\n".join(f"  ranks {members}: {text}" for text, members in by_text.items())
-        missing = sorted(set(ranks) - set(sides))
-        absent = f"\n  ranks {missing}: never arrived" if missing else ""
-        group = collective_name("", ranks, mesh_dim).strip()
-        raise CollectiveMismatchError(
-            f"rank {me}: collective check: the ranks {group} disagree on their collective #{seq} there:\n"
-            f"{lines}{absent}\nEvery rank must issue the same collectives in the same order; make the ranks "
-            "above take the same path (their call sites show where)."
-        )
+            sides = [rnd.sides.get(rank, "never arrived") for rank in ranks]
+        if comm is None:
+            comm = self.communicator(ranks)
+        raise mismatch_error(comm, seq, sides)
+
+
+def _tickets_disagree(tickets: list[CheckTicket | None]) -> bool:
+    """Whether a checked ticket is among ``tickets`` and two fingerprinted members' keys differ."""
+    if not any(t is not None and t.checked for t in tickets):
+        return False
+    keys = [t.key for t in tickets if t is not None]  # compiled code carries none: nothing to compare
+    return any(k != keys[0] for k in keys[1:])
 
 
 class ThreadedCommunicator(Communicator):
@@ -242,26 +246,25 @@ class ThreadedCommunicator(Communicator):
         # collective returns, while a slower one is still reading it.
         if isinstance(value, torch.Tensor):
             value = value.clone()
+        ticket: CheckTicket | None = getattr(_pending, "ticket", None)
+        if ticket is not None:
+            _pending.ticket = None
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            if ticket.kind != kind or ticket.comm.ranks != self.ranks or ticket.shape != shape:
+                ticket = None  # left over from a call that never got here
         return self.world.exchange(
             self.ranks,
             kind,
             value,
             mesh_dim=self.mesh_dim,
             timeout_s=self.timeout_s,
-            describe=lambda: describe_current_collective(kind),
+            ticket=ticket,
+            comm=self if ticket is None else ticket.comm,
         )
 
-    def _exchange_check(self, fingerprint: Any, digest: int) -> list[Any] | None:
-        """Threads hand each other the fingerprints themselves, in one exchange of its own kind."""
-        return self.world.exchange(
-            self.ranks,
-            CHECK_EXCHANGE,
-            fingerprint,
-            mesh_dim=self.mesh_dim,
-            timeout_s=self.timeout_s,
-            describe=lambda: str(fingerprint),
-            label=fingerprint.collective,  # a rank waiting at the check waits to issue that collective
-        )
+    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+        """Threads compare in the collective's own round: the ticket rides with the data."""
+        _pending.ticket = ticket
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._exchange("all_gather", tensor))

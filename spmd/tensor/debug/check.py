@@ -26,23 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from types import FrameType
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from spmd.tensor.comm.base import (
+    CheckTicket,
     CollectiveMismatchError,
     Communicator,
     set_collective_check,
-    set_collective_describer,
 )
+from spmd.tensor.comm.replicas import call_site, user_frame
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT
 from spmd.tensor.trace import STATE, current_op
 
@@ -66,7 +64,11 @@ unchecked, on every rank alike since ranks that agree remember the same ones."""
 
 @dataclass(frozen=True, slots=True)
 class CollectiveFingerprint:
-    """What one rank is about to issue; ranks compare everything but ``rank`` and ``call_site``."""
+    """What one rank is about to issue; ranks compare everything but ``rank``, ``op`` and ``call_site``.
+
+    ``op`` is shown, not compared: ops name themselves only while a debug tool listens, which one
+    rank may do alone (a CommDebugMode on rank 0); the redistribute step in ``placements`` says the rest.
+    """
 
     rank: int
     collective: str
@@ -79,9 +81,11 @@ class CollectiveFingerprint:
     placements: str
     """The redistribute that issued it: the tensor's spec and the step, when known."""
     op: str | None
-    """The aten op (or "redistribute") being run, when known."""
+    """The aten op (or "redistribute") being run, when known (shown, not compared)."""
     call_site: str
     """The first frame outside spmd and torch: ``file.py:42 in step``."""
+    checked: bool = True
+    """False for a rank that issued it unchecked (it had checked it before): shown, not compared."""
 
     def compared(self) -> tuple[Any, ...]:
         """The fields ranks must agree on."""
@@ -93,7 +97,6 @@ class CollectiveFingerprint:
             self.dtype,
             self.detail,
             self.placements,
-            self.op,
         )
 
     def digest(self) -> int:
@@ -108,7 +111,8 @@ class CollectiveFingerprint:
         tensor = f" {self.dtype}[{','.join(map(str, self.shape))}]" if self.shape is not None else ""
         op = f" in {self.op}" if self.op else ""
         placements = f" [{self.placements}]" if self.placements else ""
-        return f"{self.collective}{detail}{where}{tensor}{op}{placements} at {self.call_site}"
+        unchecked = "" if self.checked else " (not checked: this rank had issued it before)"
+        return f"{self.collective}{detail}{where}{tensor}{op}{placements} at {self.call_site}{unchecked}"
 
 
 _local = threading.local()
@@ -203,26 +207,9 @@ def warmup_check(enabled: bool) -> Iterator[None]:
         _local.warmup = outer
 
 
-_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The spmd package's folder (this file is spmd/tensor/debug/check.py)."""
-_LIBRARY_DIRS = (
-    _SPMD_DIR + os.sep,
-    *(os.path.dirname(module.__file__ or "") + os.sep for module in (torch, contextlib, threading)),
-)
-
-
 def _call_site() -> str:
-    """The innermost frame outside spmd, torch and the standard library: where the user's code is."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    path = frame.f_code.co_filename
-    with contextlib.suppress(ValueError):
-        relative = os.path.relpath(path)
-        path = path if relative.startswith("..") else relative
-    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+    """Where the user's code issued the collective: ``file.py:42 in step``."""
+    return call_site(user_frame())
 
 
 def fingerprint(
@@ -243,69 +230,59 @@ def fingerprint(
     )
 
 
-def _describe(
-    comm: Communicator, kind: str, shape: tuple[int, ...] | None, dtype: torch.dtype | None, detail: str
-) -> str:
-    return str(fingerprint(comm, kind, shape, dtype, detail))
+def _side_of(ticket: CheckTicket) -> CollectiveFingerprint:
+    """This rank's fingerprint of ``ticket``'s collective, marked when the rank did not check it."""
+    mine = fingerprint(ticket.comm, ticket.kind, ticket.shape, ticket.dtype, ticket.detail)
+    return mine if ticket.checked else replace(mine, checked=False)
 
 
 def _check_before_collective(comm: Communicator, kind: str, tensor: torch.Tensor | None, detail: str) -> None:
-    """The hook every collective calls first: the full check, else the warm-up check's count."""
-    if not _enabled_here():
-        if not _warmup_here():
-            return
-        # Keyed by what the fingerprint compares (not the call site), so ranks that agree count alike.
+    """The hook every collective calls first: decide whether this one is checked, then hand it over."""
+    full = _enabled_here()
+    if not full and not _warmup_here():
+        return
+    shape = tensor.shape if tensor is not None else None
+    dtype = tensor.dtype if tensor is not None else None
+    # What ranks must agree on, as values (cheap to build); counted per rank, so ranks that agree
+    # count alike and check the same collectives.
+    key = (kind, comm.mesh_dim, comm.ranks, shape, dtype, detail, comm.context)
+    checked = full
+    if not full:
         counts = comm._warmup_counts
-        key = (
-            comm.local_rank,
-            kind,
-            comm.mesh_dim,
-            tensor.shape if tensor is not None else None,
-            tensor.dtype if tensor is not None else None,
-            detail,
-            comm.context,
-        )
-        seen = counts.get(key, 0)
-        if seen >= WARMUP_RUNS or (seen == 0 and len(counts) >= WARMUP_KEYS_LIMIT):
-            return
-        counts[key] = seen + 1
-    shape = tuple(tensor.shape) if tensor is not None else None
-    mine = fingerprint(comm, kind, shape, tensor.dtype if tensor is not None else None, detail)
-    everyone: list[CollectiveFingerprint] | None = comm._exchange_check(mine, mine.digest())
-    if everyone is None:
-        return
-    votes = Counter(fp.compared() for fp in everyone)
-    if len(votes) == 1:
-        return
-    # The odd ones out are named: the most common fingerprint (the lowest rank's, on a tie) is the reference.
+        counted = (comm.local_rank, key)
+        seen = counts.get(counted, 0)
+        if seen < WARMUP_RUNS and (seen > 0 or len(counts) < WARMUP_KEYS_LIMIT):
+            counts[counted] = seen + 1
+            checked = True
+    ticket = CheckTicket(comm, kind, tuple(shape) if shape is not None else None, dtype, detail, key, checked)
+    comm._verify(ticket, lambda: _side_of(ticket).digest())
+
+
+def _mismatch_error(comm: Communicator, seq: int, sides: list[Any]) -> CollectiveMismatchError:
+    """The error every member of ``comm``'s group raises: who differs from the majority, and each side."""
+    compared = [side.compared() if isinstance(side, CollectiveFingerprint) else side for side in sides]
+    votes = Counter(compared)
     majority = max(votes.values())
-    reference = next(fp for fp in everyone if votes[fp.compared()] == majority)
-    differing = [fp.rank for fp in everyone if fp.compared() != reference.compared()]
-    raise CollectiveMismatchError(_mismatch_message(comm, kind, everyone, reference, differing))
-
-
-def _mismatch_message(
-    comm: Communicator,
-    kind: str,
-    everyone: list[CollectiveFingerprint],
-    reference: CollectiveFingerprint,
-    differing: list[int],
-) -> str:
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    shown: dict[tuple[Any, ...], CollectiveFingerprint] = {}
-    for fp in everyone:
-        key = (*fp.compared(), fp.call_site)
-        groups.setdefault(key, []).append(fp.rank)
-        shown.setdefault(key, fp)
+    # The odd ones out are named: the most common side (the lowest rank's, on a tie) is the reference.
+    reference = next(i for i, c in enumerate(compared) if votes[c] == majority)
+    differing = [comm.ranks[i] for i, c in enumerate(compared) if c != compared[reference]]
+    groups: dict[Any, list[int]] = {}
+    shown: dict[Any, Any] = {}
+    for rank, side in zip(comm.ranks, sides):
+        key = (*side.compared(), side.call_site, side.checked) if isinstance(side, CollectiveFingerprint) else side
+        groups.setdefault(key, []).append(rank)
+        shown.setdefault(key, side)
     lines = "\n".join(f"  ranks {ranks}: {shown[key]}" for key, ranks in groups.items())
     group = comm.describe("").strip()  # "on mesh dim 'tp' (ranks [0, 1])"
-    return (
-        f"rank {comm.ranks[comm.local_rank]}: collective check: the ranks {group} disagree on their next "
-        f"collective; ranks {differing} differ from rank {reference.rank}:\n{lines}\n"
+    which = "a collective" if seq < 0 else f"a collective (their #{seq} on this group)"
+    return CollectiveMismatchError(
+        f"rank {comm.ranks[comm.local_rank]}: collective check: the ranks {group} disagree on {which}; "
+        f"ranks {differing} differ from rank {comm.ranks[reference]}:\n{lines}\n"
         "Every rank must issue the same collectives, with the same shapes, dtypes, placements and reduce "
         "ops, in the same order; make the ranks above take the same path (their call sites show where)."
     )
 
 
-set_collective_describer(_describe)
-set_collective_check(_check_before_collective)
+set_collective_check(
+    _check_before_collective, full_check_here=_enabled_here, side_of=_side_of, mismatch_error=_mismatch_error
+)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor.comm.base import CheckTicket
 from spmd.tensor.comm.threaded import ThreadedCommunicator
 from spmd.tensor.debug import (
     CollectiveMismatchError,
@@ -108,7 +109,7 @@ def test_a_rank_taking_a_new_branch_after_the_warmup_raises_on_every_rank() -> N
     message = _same_on_every_rank(run_threaded(steps, 2, timeout=30))
     assert time.monotonic() - start < 10
     assert message.endswith("at step 3")
-    assert "the ranks on mesh dim 'tp' (ranks [0, 1]) disagree on their collective #" in message
+    assert "the ranks on mesh dim 'tp' (ranks [0, 1]) disagree on a collective (their #" in message
     assert (
         "ranks [0]: reduce_scatter(sum) on mesh dim 'tp' f32[2,2,4] [f32[4,4] (P(sum)) on mesh(tp=2), step mesh dim 0: "
         "P(sum) -> S(0)  reduce_scatter(sum, dim=0)] at tests/tensor/debug/test_warmup_check.py:"
@@ -119,15 +120,16 @@ def test_a_rank_taking_a_new_branch_after_the_warmup_raises_on_every_rank() -> N
 
 # ----- what it costs: nothing after the first runs -------------------------------------------------
 def _count_checks(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """Count the check exchanges each rank makes (by global rank)."""
+    """Count the collectives each rank checks (by global rank)."""
     counts: Counter[int] = Counter()
-    exchange = ThreadedCommunicator._exchange_check
+    verify = ThreadedCommunicator._verify
 
-    def counted(self: ThreadedCommunicator, fingerprint: Any, digest: int) -> Any:
-        counts[fingerprint.rank] += 1
-        return exchange(self, fingerprint, digest)
+    def counted(self: ThreadedCommunicator, ticket: CheckTicket, digest: Any) -> None:
+        if ticket.checked:
+            counts[ticket.comm.ranks[ticket.comm.local_rank]] += 1
+        verify(self, ticket, digest)
 
-    monkeypatch.setattr(ThreadedCommunicator, "_exchange_check", counted)
+    monkeypatch.setattr(ThreadedCommunicator, "_verify", counted)
     return counts
 
 
