@@ -200,6 +200,7 @@ def test_disagreeing_ranks_all_raise_under_the_check() -> None:
     cases = ("mesh shape", "reduce op", "target", "plan", "sequence parallel")
     for case in (*cases, "reduce op by default", "target by default", "plan by default"):
         assert rank_0[case] == rank_1[case], f"{case}: both ranks raise the same error"
+
     # the default warm-up check catches the first run of each, as the full check does (which also
     # names the op: ops name themselves only while a full check or another tool listens)
     def without_call_site(message: str) -> str:
