@@ -16,7 +16,7 @@ import torch._dynamo
 from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
 from spmd.compile.hooks import EAGER_FROM_LOCAL
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 
 if TYPE_CHECKING:
     from spmd.tensor.dtensor import DTensor
@@ -31,6 +31,8 @@ def placement_code(p: Placement) -> tuple[str, int | str]:
     into a nonstrict call, but it can read its fields."""
     if isinstance(p, Shard):
         return ("shard", p.dim)
+    if isinstance(p, _StridedShard):
+        return ("strided", f"{p.dim}:{p.split_factor}")
     if isinstance(p, Partial):
         return ("partial", p.reduce_op)
     return ("replicate", 0)
@@ -40,6 +42,9 @@ def placement_from_code(code: tuple[str, int | str]) -> Placement:
     kind, detail = code
     if kind == "shard":
         return Shard(int(detail))
+    if kind == "strided":
+        dim, split_factor = str(detail).split(":")
+        return _StridedShard(int(dim), split_factor=int(split_factor))
     if kind == "partial":
         return Partial(str(detail))
     return Replicate()

@@ -15,7 +15,7 @@ from torch._library.opaque_object import MemberType, is_opaque_type, register_op
 
 from spmd.tensor.comm.base import Communicator
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import Partial, Replicate, Shard
+from spmd.tensor.placement import Partial, Replicate, Shard, _StridedShard
 
 __all__ = ["register_compile_values"]
 
@@ -25,6 +25,7 @@ _PLACEMENT_QUERIES = dict.fromkeys(("is_shard", "is_replicate", "is_partial", "_
 
 _MEMBERS: dict[type, dict[str, MemberType]] = {
     Shard: _PLACEMENT_QUERIES | {"dim": USE_REAL},
+    _StridedShard: _PLACEMENT_QUERIES | {"dim": USE_REAL, "split_factor": USE_REAL},
     Replicate: _PLACEMENT_QUERIES,
     Partial: _PLACEMENT_QUERIES | {"reduce_op": USE_REAL, "is_linear": USE_REAL},
     DeviceMesh: dict.fromkeys(

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.tensor.collectives import broadcast_from, local_chunk, partition_value, scatter_from
+from spmd.tensor.collectives import broadcast_from, local_chunk, partition_value, scatter_from, scatter_pieces_from
 from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard
-from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, normalize_placements
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
+from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape, normalize_placements
 
 PlacementList = Sequence[Placement]
 """One placement per mesh dim."""
@@ -78,6 +78,13 @@ def distribute_tensor(
     # A meta tensor has no data to send: each rank cuts its piece's shape out locally.
     source = None if src_data_rank is None or local.is_meta else _source_coordinate(device_mesh, src_data_rank)
     for d, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            if source is None:
+                local = p._select_split_tensor(local, device_mesh.size(d), coordinate[d])
+            else:
+                pieces, _ = p._split_tensor(local, device_mesh.size(d), with_padding=False, contiguous=False)
+                local = scatter_pieces_from(device_mesh, d, pieces, p.dim, src=source[d])
+            continue
         if isinstance(p, Shard):
             if source is None:
                 local = local_chunk(local, device_mesh.size(d), coordinate[d], p.dim)
@@ -235,8 +242,8 @@ def _factory(
     placements = _resolve_placements(device_mesh, placements, len(shape))
     coordinate = device_mesh.get_coordinate()
     # A rank outside the mesh holds an empty piece.
-    local_shape = (0,) if coordinate is None else local_shape_and_offset(shape, device_mesh, placements, coordinate)[0]
-    local = fill(local_shape, dtype).to(device_mesh.device_type)
+    piece_shape = (0,) if coordinate is None else local_shape(shape, device_mesh, placements, coordinate)
+    local = fill(piece_shape, dtype).to(device_mesh.device_type)
     for d, p in enumerate(placements):
         if zero_partials and isinstance(p, Partial) and coordinate is not None:
             local = partition_value(local, p.reduce_op, coordinate[d])

@@ -22,11 +22,12 @@ import torch
 
 from spmd.tensor.comm import Communicator
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import pad_dim, shard_offsets, shard_sizes
+from spmd.tensor.placement import _StridedShard, pad_dim, shard_offsets, shard_sizes, strided_shard_indices
 
 __all__ = [
     "pad_dim",
     "all_gather_dim",
+    "all_gather_strided",
     "reduce_scatter_dim",
     "all_to_all_dims",
     "local_chunk",
@@ -34,6 +35,7 @@ __all__ = [
     "reduction_identity",
     "partition_value",
     "scatter_from",
+    "scatter_pieces_from",
     "broadcast_from",
     "agree",
     "reduce_over",
@@ -47,12 +49,20 @@ def scatter_from(mesh: DeviceMesh, mesh_dim: int, tensor: torch.Tensor, dim: int
     Every member passes a tensor of the same shape (only ``src``'s values matter); pieces follow
     ``shard_sizes``, so uneven dims work.
     """
+    sizes = shard_sizes(tensor.size(dim), mesh.size(mesh_dim))
+    pieces = list(torch.split(tensor, sizes, dim=dim)) if tensor.size(dim) else [tensor] * len(sizes)
+    return scatter_pieces_from(mesh, mesh_dim, pieces, dim, src=src)
+
+
+def scatter_pieces_from(
+    mesh: DeviceMesh, mesh_dim: int, pieces: Sequence[torch.Tensor], dim: int, *, src: int = 0
+) -> torch.Tensor:
+    """This rank's entry of ``pieces`` (one per member of ``mesh_dim``, lengths along ``dim`` may
+    differ) as coordinate ``src`` holds them; the others pass pieces of the same shapes."""
     comm = mesh.get_communicator(mesh_dim)
-    sizes = shard_sizes(tensor.size(dim), comm.size)
-    pieces = list(torch.split(tensor, sizes, dim=dim)) if tensor.size(dim) else [tensor] * comm.size
-    stacked = torch.stack([pad_dim(piece, dim, sizes[0]) for piece in pieces])
-    block = comm.scatter(stacked, src)
-    return block.narrow(dim, 0, sizes[comm.local_rank]).contiguous()
+    longest = max(piece.size(dim) for piece in pieces)
+    block = comm.scatter(torch.stack([pad_dim(piece, dim, longest) for piece in pieces]), src)
+    return block.narrow(dim, 0, pieces[comm.local_rank].size(dim)).contiguous()
 
 
 def broadcast_from(mesh: DeviceMesh, mesh_dim: int, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
@@ -90,6 +100,21 @@ def all_gather_dim(local: torch.Tensor, comm: Communicator, dim: int, full: int)
         # movedim makes a strided view; later local views (x.view) need a contiguous shard
         return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
     return torch.cat([stacked[i].narrow(dim, 0, size) for i, size in enumerate(sizes)], dim)
+
+
+def all_gather_strided(local: torch.Tensor, comm: Communicator, placement: _StridedShard, full: int) -> torch.Tensor:
+    """``_StridedShard`` -> Replicate over ``comm``: gather every member's piece of the ``full``-long
+    dim, then put each entry back where it came from (one index_select)."""
+    dim = placement.dim
+    owned = strided_shard_indices(full, comm.size, placement.split_factor)
+    longest = len(owned[0])  # coordinate 0 holds the longest piece
+    stacked = comm.all_gather(pad_dim(local, dim, longest))  # [members, ...piece...]
+    joined = stacked.movedim(0, dim).flatten(dim, dim + 1)  # member m's entry k at m * longest + k
+    where = [0] * full
+    for member, entries in enumerate(owned):
+        for k, entry in enumerate(entries):
+            where[entry] = member * longest + k
+    return joined.index_select(dim, torch.tensor(where, dtype=torch.long, device=local.device))
 
 
 def local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,15 +26,17 @@ from spmd.tensor.call_layout import (
 )
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor, implicit_replication, plain_tensors_allowed, wrap_result
-from spmd.tensor.list_dispatch import dispatch_list
+from spmd.tensor.list_dispatch import _leaf_arguments, dispatch_list
 from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
 from spmd.tensor.placement import Replicate, format_placements
-from spmd.tensor.propagation import Decision, ShardingPropagator
+from spmd.tensor.propagation import Decision, ShardingError, ShardingPropagator
 from spmd.tensor.redistribute import redistribute_local
-from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.spec import DTensorSpec, TensorMeta, has_strided, unstrided_placements
 from spmd.tensor.trace import FALLBACKS, STATE, log_decision, log_decomposition, log_line, op_scope, replication_note
 
 __all__ = ["dispatch", "Dispatcher", "DISPATCHER", "implicit_replication", "replicate_fallback"]
+
+aten = torch.ops.aten
 
 
 class Dispatcher:
@@ -101,6 +103,8 @@ class Dispatcher:
             return dispatch_list(self, entry, args, kwargs)
         op = entry.op
         call = unwrap_call(entry, args, kwargs) or self.unwrap_mixed(entry, args, kwargs)
+        if any(has_strided(call.leaves[i]._spec.placements) for i in call.positions):
+            return self.run_gathered(entry, call.leaves, call.shape, call.kwarg_names(), call.positions)
         if entry.inplace:
             _refuse_write_into_copied_view(entry, call)
         decision, hit = self.decision_for(entry, call)
@@ -116,6 +120,57 @@ class Dispatcher:
         local_args, local_kwargs = self.move_inputs(entry, decision, call, hit)
         result = self.run_local(entry, decision, call, local_args, local_kwargs)
         return self.wrap(entry, decision, call, result, local_args)
+
+    def run_gathered(
+        self, entry: OpEntry, leaves: Sequence[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: Sequence[int]
+    ) -> Any:
+        """The call again, its ``_StridedShard`` inputs gathered to ``unstrided_placements`` first.
+
+        Op rules know Shard, Replicate and Partial only, so none ever sees a strided layout (read as
+        a plain Shard it would give wrong values). The gather is an implicit move: logged, counted
+        by CommDebugMode, refused under explicit redistribution. An argument the op writes into
+        cannot be a strided DTensor: the write would land in the gathered copy.
+        """
+        op = entry.op
+        names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
+        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        strided = [n for n, i in enumerate(positions) if has_strided(leaves[i]._spec.placements)]
+        for n in strided:
+            if names[positions[n]] in written:
+                raise ShardingError(
+                    f"{op} writes into {names[positions[n]]}, a DTensor laid out as {leaves[positions[n]]._spec}; "
+                    "ops read _StridedShard inputs through a gathered copy, so the write would be lost. "
+                    "Redistribute it to Shard/Replicate placements first (x = x.redistribute(mesh, [...])), "
+                    "or use the out-of-place op"
+                )
+        if op in LAYOUT_NEUTRAL_OPS and len(positions) == 1:
+            kept = _run_layout_neutral(op, leaves, shape, kwarg_names, positions[0])
+            if kept is not None:
+                return kept
+        wanted = [unstrided_placements(leaves[positions[n]]._spec.placements) for n in strided]
+        if self.refuse_implicit is not None:
+            placements = [leaves[i]._spec.placements for i in positions]
+            for n, want in zip(strided, wanted):
+                placements[n] = want
+            move = Decision(tuple(placements), (), (), (), 0.0, entry.inplace, moves=tuple(strided))
+            self.refuse_implicit(op, leaves, shape, kwarg_names, positions, move)
+        gathered = list(leaves)
+        done: dict[int, DTensor] = {}  # an input passed twice (x + x) is gathered once
+        with op_scope(str(op)) if STATE.listening else contextlib.nullcontext():
+            for n, want in zip(strided, wanted):
+                dt = leaves[positions[n]]
+                if id(dt) in done:
+                    gathered[positions[n]] = done[id(dt)]
+                    continue
+                if STATE.verbose:
+                    log_line(
+                        "%-30s input %d: %s -> %s  (gathered before the op's rule: _StridedShard)",
+                        op, n, format_placements(dt._spec.placements), format_placements(want),
+                    )
+                local = redistribute_local(dt._local_tensor, dt._spec, want)
+                gathered[positions[n]] = done[id(dt)] = DTensor(local, dt._spec.with_placements(want), requires_grad=False)
+        new_args, new_kwargs = unflatten_call(gathered, shape, kwarg_names)
+        return self.dispatch(op, tuple(new_args), new_kwargs)
 
     @staticmethod
     def unwrap_mixed(entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall:
@@ -240,12 +295,39 @@ class Dispatcher:
 
     # ----- for explain() -------------------------------------------------------------------------
     def make_call(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall:
-        """What the rule for ``op`` sees of this call."""
+        """What the rule for ``op`` sees of this call (a ``_StridedShard`` input as the gathered
+        layout ``run_gathered`` hands the rule; nothing is gathered here)."""
         leaves, shape = flatten_call(args, kwargs)
         positions = [i for i, a in enumerate(leaves) if isinstance(a, DTensor)]
         if not positions:
             raise ValueError(f"{op} was given no DTensor argument")
+        for i in positions:
+            spec = leaves[i]._spec
+            if has_strided(spec.placements):  # only the spec is read: the local tensor stays as it is
+                plain = spec.with_placements(unstrided_placements(spec.placements))
+                leaves[i] = DTensor(leaves[i]._local_tensor, plain, requires_grad=False)
         return self.propagator.make_call(op, leaves, shape, list(kwargs), positions)
+
+
+LAYOUT_NEUTRAL_OPS = frozenset({aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default})
+"""Ops whose result on the local piece is the result's piece in any layout (a copy, a cast, an
+alias): run on a ``_StridedShard`` input as they are, they keep its placements (autograd's
+``detach`` of a gradient, ``x.float()``)."""
+
+
+def _run_layout_neutral(
+    op: Any, leaves: Sequence[Any], shape: tuple[Any, ...], kwarg_names: list[str], position: int
+) -> DTensor | None:
+    """``op`` on the one DTensor's local piece, wrapped with its spec (in the result's dtype); None
+    when the result left the piece's device (``x.to("cuda")``: the regular path decides that)."""
+    dt = leaves[position]
+    local = list(leaves)
+    local[position] = dt._local_tensor
+    local_args, local_kwargs = unflatten_call(local, shape, kwarg_names)
+    result = op(*local_args, **local_kwargs)
+    if result.device != dt._local_tensor.device:
+        return None
+    return DTensor(result, dt._spec.with_dtype(result.dtype), requires_grad=False)
 
 
 def _result_outside_mesh(entry: OpEntry, decision: Decision, call: UnwrappedCall) -> Any:

@@ -25,13 +25,13 @@ from spmd.tensor.comm.base import full_check_here
 from spmd.tensor.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
 from spmd.tensor.comm.threaded import thread_rank
 from spmd.tensor.device_mesh import DeviceMesh, current_mesh
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, shard_sizes
+from spmd.tensor.placement import Partial, Placement, Replicate, _is_shard_like, shard_sizes
 from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
 from spmd.tensor.spec import (
     DTensorSpec,
     TensorMeta,
     contiguous_strides,
-    local_shape_and_offset,
+    local_shape,
     normalize_placements,
 )
 
@@ -354,7 +354,7 @@ def _infer_global_shape(
 ) -> tuple[int, ...]:
     shape = list(local_shape)
     for size, p in zip(mesh.shape, placements):
-        if isinstance(p, Shard):
+        if _is_shard_like(p):  # Shard or _StridedShard: even pieces assumed
             shape[p.dim] *= size
     return tuple(shape)
 
@@ -392,7 +392,7 @@ def _check_and_gather_shape(
     if global_shape is None:
         global_shape = []
         for dim in range(ndim):
-            mesh_dims = [d for d, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+            mesh_dims = [d for d, p in enumerate(placements) if _is_shard_like(p) and p.dim == dim]
             if not mesh_dims:
                 global_shape.append(local.shape[dim])
                 continue
@@ -403,7 +403,7 @@ def _check_and_gather_shape(
                     total += lshape[dim]
             global_shape.append(total)
     for coord, lshape in sorted(by_coord.items()):
-        expected, _ = local_shape_and_offset(global_shape, mesh, placements, coord)
+        expected = local_shape(global_shape, mesh, placements, coord)
         if tuple(lshape) != expected:
             raise ValueError(
                 f"from_local: the rank at mesh coordinate {coord} passed a local tensor of shape "

@@ -30,7 +30,7 @@ from spmd.tensor.ops.registry import REGISTRY, OpCall, OpEntry
 from spmd.tensor.placement import Placement, format_placements
 from spmd.tensor.propagation import Decision, ShardingError
 from spmd.tensor.redistribute import moves_data, redistribute_local
-from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.spec import DTensorSpec, TensorMeta, has_strided
 from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ def dispatch_list(dispatcher: Dispatcher, entry: OpEntry, args: tuple[Any, ...],
             key_parts.append((type(a), a))
         else:
             key_parts.append(a)
+    if any(has_strided(leaves[i]._spec.placements) for i in positions):  # rules never see one
+        return dispatcher.run_gathered(entry, leaves, shape, list(kwargs), positions)
     key = tuple(key_parts)
     cached = dispatcher.list_cache.get(key)
     hit = cached is not None

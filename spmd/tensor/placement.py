@@ -5,17 +5,31 @@ the redistribute executor. The uneven-shard arithmetic (``shard_sizes``) follows
 7 rows over 4 ranks are 2, 2, 2, 1 and 5 rows over 4 ranks are 2, 2, 1, 0. ``Shard`` also cuts a
 local tensor into those pieces (``_split_tensor``, ``_select_split_tensor``: torch's names, which
 code written for torch calls), with no traffic.
+
+``_StridedShard(dim, split_factor=k)`` is torch's private placement for a dim sharded "right to
+left" (FSDP2 over TP: the TP mesh dim cut the dim first, then the FSDP dim cut each TP piece). It
+is not a ``Shard`` (as in torch, ``is_shard()`` is False and it never equals one); see its
+docstring for the layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeGuard
 
 import torch
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_sizes", "shard_offsets", "pad_dim"]
+__all__ = [
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "shard_sizes",
+    "shard_offsets",
+    "pad_dim",
+    "strided_shard_indices",
+]
 
 
 class Placement:
@@ -134,6 +148,157 @@ class Shard(Placement):
 
     def __str__(self) -> str:
         return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class _StridedShard(Placement):
+    """The mesh dimension shards tensor dimension ``dim`` as if it had been cut *after* ``split_factor``
+    cuts that come later in the placements (torch's private placement, same name and meaning).
+
+    The dim is first cut into ``split_factor`` groups (``torch.chunk``), each group is cut into one
+    piece per rank, and a rank holds its piece of every group, in group order. With
+    ``[_StridedShard(0, split_factor=2), Shard(0)]`` on a 2 x 2 mesh, an 8-row tensor is laid out
+    as FSDP2 over TP lays it out: the TP dim (mesh dim 1) owns rows 0-3 / 4-7 and the FSDP dim
+    (mesh dim 0) halves each of those, so coordinate (0, 1) holds rows 4-5, not 2-3.
+
+    Unlike torch's, it is a frozen dataclass; as in torch it is not a ``Shard``: ``is_shard()``
+    is False, it never equals ``Shard(dim)``, and ``split_factor`` is keyword-only.
+
+    >>> pieces, _ = _StridedShard(0, split_factor=2)._split_tensor(torch.arange(8), 2)
+    >>> [p.tolist() for p in pieces]
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+
+    dim: int
+    split_factor: int = field(default=1, kw_only=True)
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int | None = None) -> None:
+        # ``sf`` is the spelling of the repr (and torch's constructor accepts it too).
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard takes split_factor or sf, not both")
+            split_factor = sf
+        for name, value in (("dim", dim), ("split_factor", split_factor)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"_StridedShard({name}) takes an int, got {value!r}")
+        if split_factor < 1:
+            raise ValueError(f"_StridedShard split_factor must be >= 1 (the number of earlier cuts), got {split_factor}")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_strided_shard, (self.dim, self.split_factor)
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def local_shard_size(self, curr_local_size: int, num_chunks: int, rank: int) -> int:
+        """How many entries of a dim of ``curr_local_size`` rank ``rank`` of ``num_chunks`` holds."""
+        return sum(shard_sizes(group, num_chunks)[rank] for group in shard_sizes(curr_local_size, self.split_factor))
+
+    def local_shard_indices(self, curr_local_size: int, num_chunks: int, rank: int) -> list[int]:
+        """The entries (indices into a dim of ``curr_local_size``) rank ``rank`` holds, in its order."""
+        return strided_shard_indices(curr_local_size, num_chunks, self.split_factor)[rank]
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """Refused: a strided piece is not one contiguous block, so it has no single offset.
+
+        Use ``local_shard_size`` and ``local_shard_indices``.
+        """
+        raise ValueError(
+            f"{self!r} holds {self.split_factor} separate blocks of the dim on each rank, so its piece has no "
+            "single offset; use local_shard_size() for its length and local_shard_indices() for the entries "
+            "it holds, or redistribute to Shard/Replicate first"
+        )
+
+    _local_shard_size_and_offset = local_shard_size_and_offset
+
+    def _split_tensor(
+        self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """``tensor`` cut along ``dim`` into each rank's strided piece, and how short each one is.
+
+        As torch's: ``with_padding`` lists, per piece, the zeros that would make it as long as the
+        longest, but the pieces themselves stay unpadded (else the list is empty);
+        ``contiguous=False`` may leave pieces as views.
+        """
+        dim = self._dim_in(tensor)
+        pieces = [self._piece(tensor, dim, num_chunks, rank) for rank in range(num_chunks)]
+        pad_sizes: list[int] = []
+        if with_padding:
+            longest = max(piece.size(dim) for piece in pieces)
+            pad_sizes = [longest - piece.size(dim) for piece in pieces]
+        if contiguous:
+            pieces = [piece.contiguous() for piece in pieces]
+        return pieces, pad_sizes
+
+    def _select_split_tensor(
+        self,
+        tensor: torch.Tensor,
+        num_chunks: int,
+        index: int,
+        *,
+        with_padding: bool = True,
+        contiguous: bool = True,
+        clone: bool = True,
+    ) -> torch.Tensor:
+        """Piece ``index`` of ``_split_tensor(tensor, num_chunks, ...)``, cutting only that piece
+        (unpadded whatever ``with_padding`` says, as there)."""
+        if not -num_chunks <= index < num_chunks:
+            raise IndexError(f"piece {index} is out of range for {num_chunks} pieces")
+        index %= num_chunks
+        piece = self._piece(tensor, self._dim_in(tensor), num_chunks, index)
+        if clone:
+            return piece.clone()
+        return piece.contiguous() if contiguous else piece
+
+    def _piece(self, tensor: torch.Tensor, dim: int, num_chunks: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece: its chunk of every group, joined (a view when it is one block)."""
+        size = tensor.size(dim)
+        blocks = []
+        for group_start, group in zip(shard_offsets(size, self.split_factor), shard_sizes(size, self.split_factor)):
+            start = group_start + shard_offsets(group, num_chunks)[rank]
+            length = shard_sizes(group, num_chunks)[rank]
+            if length:
+                blocks.append(tensor.narrow(dim, start, length))
+        if not blocks:
+            return tensor.narrow(dim, 0, 0)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim)
+
+    def _dim_in(self, tensor: torch.Tensor) -> int:
+        if tensor.ndim == 0 or not -tensor.ndim <= self.dim < tensor.ndim:
+            raise ValueError(
+                f"{self!r} is out of range for a {tensor.ndim}-d tensor"
+                + (f"; use a dim in [{-tensor.ndim}, {tensor.ndim - 1}]" if tensor.ndim else "")
+            )
+        return self.dim % tensor.ndim
+
+
+def _rebuild_strided_shard(dim: int, split_factor: int) -> _StridedShard:
+    """``pickle``'s way back to a ``_StridedShard`` (through the checking constructor)."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def _is_shard_like(p: Placement) -> TypeGuard[Shard | _StridedShard]:
+    """True for ``Shard`` and ``_StridedShard``: the mesh dim cuts a tensor dim (torch's helper name)."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def strided_shard_indices(size: int, num_chunks: int, split_factor: int) -> list[list[int]]:
+    """For each of ``num_chunks`` ranks, the entries of a dim of ``size`` that
+    ``_StridedShard(split_factor=split_factor)`` gives it, in the order its piece holds them.
+
+    >>> strided_shard_indices(9, 4, 2)
+    [[0, 1, 5], [2, 3, 6], [4, 7], [8]]
+    """
+    owned: list[list[int]] = [[] for _ in range(num_chunks)]
+    for group_start, group in zip(shard_offsets(size, split_factor), shard_sizes(size, split_factor)):
+        for rank, (start, length) in enumerate(zip(shard_offsets(group, num_chunks), shard_sizes(group, num_chunks))):
+            owned[rank].extend(range(group_start + start, group_start + start + length))
+    return owned
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,11 @@ The plan keeps that true in three passes:
 The steps run through the executor's collectives (spmd/tensor/collectives.py), like every other
 collective the library issues.
 
+A ``_StridedShard`` mesh dim is never part of those passes: the plan first gathers it (and every
+later mesh dim cutting the same tensor dim, inner first: all_gather, then a local reorder), plans
+the plain placements left, then cuts the target's strided dims locally (``strided_route``). So a
+change between ``_StridedShard`` and ``Shard`` goes through ``Replicate`` on that tensor dim.
+
 A mesh dim of one rank moves no data: that rank holds the whole dim whatever the placement (S(d),
 R and P are the same local tensor), so a change there is a relabel, never a step of a plan.
 
@@ -35,14 +40,23 @@ import torch
 
 from spmd.tensor.collectives import (
     all_gather_dim,
+    all_gather_strided,
     all_to_all_dims,
     local_chunk,
     pad_into_partial,
     partition_value,
     reduce_scatter_dim,
 )
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements, shard_sizes
-from spmd.tensor.spec import DTensorSpec
+from spmd.tensor.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+    format_placements,
+    shard_sizes,
+)
+from spmd.tensor.spec import DTensorSpec, has_strided, unstrided_placements
 from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line, op_scope
 
 __all__ = [
@@ -71,6 +85,8 @@ class TransformStep:
     @property
     def collective(self) -> str:
         src, dst = self.src, self.dst
+        if isinstance(src, _StridedShard):  # the plan only gathers it (strided_route)
+            return "all_gather"
         if isinstance(src, Shard):
             if isinstance(dst, Partial):
                 return "local"
@@ -81,11 +97,12 @@ class TransformStep:
 
     def describe(self) -> str:
         detail = {
-            "all_gather": f"all_gather(dim={getattr(self.src, 'dim', '')})",
+            "all_gather": f"all_gather(dim={getattr(self.src, 'dim', '')})"
+            + (" + reorder" if isinstance(self.src, _StridedShard) else ""),
             "all_to_all": f"all_to_all({self.src} -> {self.dst})",
             "all_reduce": f"all_reduce({getattr(self.src, 'reduce_op', '')})",
             "reduce_scatter": f"reduce_scatter({getattr(self.src, 'reduce_op', '')}, dim={getattr(self.dst, 'dim', '')})",
-            "local": {Shard: "local chunk", Partial: "local pad" if isinstance(self.src, Shard) else "local"}.get(
+            "local": {Shard: "local chunk", _StridedShard: "local strided select", Partial: "local pad" if isinstance(self.src, Shard) else "local"}.get(
                 type(self.dst), "local"
             ),
         }[self.collective]
@@ -168,7 +185,7 @@ def _flattened_step(
     dims = [step.mesh_dim for step in run]
     ordered = sorted(dims)
     kind, first = run[0].collective, run[0]
-    if len(set(dims)) != len(dims):
+    if len(set(dims)) != len(dims) or isinstance(first.src, _StridedShard) or isinstance(first.dst, _StridedShard):
         return None
     # Nested shards are cut by the lower mesh dim first: a scatter cuts outer to inner, a gather
     # joins inner to outer; the flattened group does either at once.
@@ -214,6 +231,8 @@ def plan_redistribute(
     """
     if len(src) != len(dst):
         raise ValueError(f"cannot redistribute {len(src)} placements into {len(dst)}")
+    if has_strided(src) or has_strided(dst):
+        return strided_route(src, dst, ndim)
     n = len(src)
     cur = list(src)
     involved = [_shard_dims(src[d]) | _shard_dims(dst[d]) for d in range(n)]
@@ -269,6 +288,23 @@ def plan_redistribute(
     return tuple(steps)
 
 
+def strided_route(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int | None = None
+) -> tuple[TransformStep, ...]:
+    """The plan when ``src`` or ``dst`` holds a ``_StridedShard``, in three parts:
+
+    1. from the last mesh dim to the first, gather the mesh dims ``unstrided_placements(src)``
+       replicates (each all_gather runs while no later mesh dim still cuts its tensor dim);
+    2. the plain plan between those plain placements and ``unstrided_placements(dst)``;
+    3. from the first mesh dim to the last, cut the target's strided (and nested) dims locally.
+    """
+    gathered, cut = unstrided_placements(src), unstrided_placements(dst)
+    steps = [TransformStep(d, src[d], gathered[d]) for d in reversed(range(len(src))) if src[d] != gathered[d]]
+    steps += plan_redistribute(gathered, cut, ndim)
+    steps += [TransformStep(d, cut[d], dst[d]) for d in range(len(dst)) if cut[d] != dst[d]]
+    return tuple(steps)
+
+
 RELABEL_COST = 1e-9
 """The cost of changing the placement of a mesh dim of one rank: no data moves, but keeping the
 placement still wins a tie, so layouts stay put (a parameter's, and its gradient's after it)."""
@@ -284,6 +320,8 @@ def redistribute_cost(src: Placement, dst: Placement, local_bytes: int, group_si
     if group_size == 1:
         return RELABEL_COST
     n = group_size
+    if isinstance(src, _StridedShard):  # gathered, then cut again locally if the target is sharded
+        return float((n - 1) * local_bytes)
     if isinstance(src, Shard):
         if isinstance(dst, Shard):
             return (n - 1) / n * local_bytes
@@ -311,6 +349,8 @@ def _level_size(spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int
         p = cur[e]
         if isinstance(p, Shard) and p.dim == dim:
             size = shard_sizes(size, spec.mesh.shape[e])[coord[e]]
+        elif isinstance(p, _StridedShard) and p.dim == dim:
+            size = p.local_shard_size(size, spec.mesh.shape[e], coord[e])
     return size
 
 
@@ -385,6 +425,11 @@ def _run_step(
     local: torch.Tensor, step: TransformStep, spec: DTensorSpec, cur: Sequence[Placement], coord: Sequence[int]
 ) -> torch.Tensor:
     mesh, d, src_p, dst_p = spec.mesh, step.mesh_dim, step.src, step.dst
+    if isinstance(src_p, _StridedShard):  # strided_route only gathers a strided dim to Replicate
+        comm = mesh.get_communicator(d).with_context(spec, step)
+        return all_gather_strided(local, comm, src_p, _level_size(spec, cur, coord, src_p.dim, d))
+    if isinstance(dst_p, _StridedShard):  # from Replicate: this rank's strided piece, no traffic
+        return dst_p._select_split_tensor(local, mesh.shape[d], coord[d], clone=True)
     if isinstance(src_p, Shard):
         comm = mesh.get_communicator(d).with_context(spec, step)  # the check names the step
         full = _level_size(spec, cur, coord, src_p.dim, d)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from spmd.tensor.comm import World, active_world, current_world
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.placement import Partial, Replicate, Shard, format_placements
+from spmd.tensor.placement import Partial, Replicate, Shard, _rebuild_strided_shard, _StridedShard, format_placements
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["rebuild_device_mesh", "reduce_device_mesh", "rebuild_dtensor", "reduce_dtensor", "register_safe_globals"]
@@ -116,7 +116,10 @@ def register_safe_globals() -> None:
     add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
     if add_safe_globals is None:  # torch releases before 2.4 have no weights-only allowlist
         return
-    add_safe_globals([rebuild_dtensor, rebuild_device_mesh, DTensorSpec, TensorMeta, Shard, Replicate, Partial])
+    add_safe_globals([
+        rebuild_dtensor, rebuild_device_mesh, DTensorSpec, TensorMeta, Shard, Replicate, Partial,
+        _StridedShard, _rebuild_strided_shard,
+    ])
 
 
 copyreg.pickle(DTensor, reduce_dtensor)

@@ -9,9 +9,28 @@ from typing import Any
 import torch
 
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements, shard_offsets, shard_sizes
+from spmd.tensor.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _is_shard_like,
+    _StridedShard,
+    format_placements,
+    shard_offsets,
+    shard_sizes,
+)
 
-__all__ = ["TensorMeta", "DTensorSpec", "local_shape_and_offset", "contiguous_strides", "normalize_placements"]
+__all__ = [
+    "TensorMeta",
+    "DTensorSpec",
+    "local_shape",
+    "local_shape_and_offset",
+    "contiguous_strides",
+    "normalize_placements",
+    "has_strided",
+    "unstrided_placements",
+]
 
 DTENSOR_DTYPE_SHORT = {
     torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -136,7 +155,7 @@ class DTensorSpec:
         """How many distinct pieces the tensor is cut into across the whole mesh."""
         count = 1
         for size, p in zip(self.mesh.shape, self.placements):
-            if isinstance(p, Shard):
+            if _is_shard_like(p):
                 count *= size
         return count
 
@@ -145,7 +164,7 @@ class DTensorSpec:
         """For each tensor dim, how many pieces it is cut into."""
         counts = [1] * self.ndim
         for size, p in zip(self.mesh.shape, self.placements):
-            if isinstance(p, Shard):
+            if _is_shard_like(p):
                 counts[p.dim] *= size
         return counts
 
@@ -154,7 +173,7 @@ class DTensorSpec:
         """For each tensor dim, the mesh dim sharding it, or -1 (one mesh dim per tensor dim at most)."""
         owners = [-1] * self.ndim
         for mesh_dim, p in enumerate(self.placements):
-            if isinstance(p, Shard):
+            if _is_shard_like(p):
                 if owners[p.dim] != -1:
                     raise ValueError(
                         f"{self}: tensor dim {p.dim} is sharded by mesh dims {owners[p.dim]} and {mesh_dim}; "
@@ -172,7 +191,7 @@ class DTensorSpec:
         return all(isinstance(p, Replicate) for p in self.placements)
 
     def is_sharded(self) -> bool:
-        return any(isinstance(p, Shard) for p in self.placements)
+        return any(_is_shard_like(p) for p in self.placements)
 
     def is_partial(self) -> bool:
         return self.has_partial
@@ -200,6 +219,12 @@ def local_shape_and_offset(
     """
     if coordinate is None:
         coordinate = mesh._require_coordinate()
+    if has_strided(placements):
+        raise ValueError(
+            f"placements {format_placements(placements)} hold a _StridedShard, whose piece is several separate "
+            "blocks of the dim, not one block at an offset; use local_shape() for the piece's shape, "
+            "_StridedShard.local_shard_indices() for the entries it holds, or redistribute to Shard/Replicate first"
+        )
     shape, offset = list(global_shape), [0] * len(global_shape)
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -207,6 +232,47 @@ def local_shape_and_offset(
             offset[p.dim] += shard_offsets(shape[p.dim], n)[i]
             shape[p.dim] = shard_sizes(shape[p.dim], n)[i]
     return tuple(shape), tuple(offset)
+
+
+def local_shape(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    coordinate: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """Shape of the caller's (or ``coordinate``'s) shard; unlike ``local_shape_and_offset``, for any
+    placements, ``_StridedShard`` included (mesh dims cut in order, each its own way)."""
+    if coordinate is None:
+        coordinate = mesh._require_coordinate()
+    shape = list(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        n, i = mesh.shape[mesh_dim], coordinate[mesh_dim]
+        if isinstance(p, Shard):
+            shape[p.dim] = shard_sizes(shape[p.dim], n)[i]
+        elif isinstance(p, _StridedShard):
+            shape[p.dim] = p.local_shard_size(shape[p.dim], n, i)
+    return tuple(shape)
+
+
+def has_strided(placements: Sequence[Placement]) -> bool:
+    """True when some mesh dim is a ``_StridedShard`` (code reading ``Shard`` offsets must not see it)."""
+    return any(type(p) is _StridedShard for p in placements)
+
+
+def unstrided_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with every ``_StridedShard`` made ``Replicate``, and so is every later mesh dim
+    that shards the same tensor dim (its cut nests inside the strided one's).
+
+    The layout a strided tensor is gathered to before anything else reads it: what is left is
+    plain (``Shard``, ``Replicate``, ``Partial``), and each kept shard is cut exactly as before.
+    """
+    plain = list(placements)
+    nested: set[int] = set()
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, _StridedShard) or (isinstance(p, Shard) and p.dim in nested):
+            nested.add(p.dim)
+            plain[mesh_dim] = REPLICATE
+    return tuple(plain)
 
 
 def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tensor_ndim: int) -> tuple[Placement, ...]:
@@ -229,6 +295,11 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tens
                 hint = f"use a dim in [{-tensor_ndim}, {tensor_ndim - 1}]" if tensor_ndim else "a 0-d tensor can only be replicated or partial"
                 raise ValueError(f"{p} is out of range for a {tensor_ndim}-d tensor; {hint}")
             p = Shard(p.dim % tensor_ndim)
+        elif isinstance(p, _StridedShard):
+            if not -tensor_ndim <= p.dim < tensor_ndim or tensor_ndim == 0:
+                hint = f"use a dim in [{-tensor_ndim}, {tensor_ndim - 1}]" if tensor_ndim else "a 0-d tensor can only be replicated or partial"
+                raise ValueError(f"{p!r} is out of range for a {tensor_ndim}-d tensor; {hint}")
+            p = _StridedShard(p.dim % tensor_ndim, split_factor=p.split_factor)
         result.append(p)
     return tuple(result)
 
