@@ -25,7 +25,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from spmd.tensor.comm.base import CollectiveAbortedError, CollectiveTimeoutError, Communicator, World
+from spmd.tensor.comm.base import (
+    CheckTicket,
+    CollectiveAbortedError,
+    CollectiveTimeoutError,
+    Communicator,
+    World,
+    full_check_here,
+)
+from spmd.tensor.comm.c10d_warmup import check_through_store, done_unchecked, issue_unchecked, verdict_for
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
@@ -129,6 +137,9 @@ class C10dCommunicator(Communicator):
         self._local_rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
         self._native_reduce_scatter = True
         self._group_name: str = getattr(group, "group_name", "")
+        self._issued = [0]
+        """Collectives this rank issued on the group through the check (shared by views and copies):
+        names the store slot of a warm-up check."""
 
     @property
     def local_rank(self) -> int:
@@ -140,6 +151,20 @@ class C10dCommunicator(Communicator):
             return call(*args, **kwargs)
         except RuntimeError as error:
             self._raise_named(kind, error)
+        finally:
+            done_unchecked()
+
+    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+        """The full check exchanges digests over the group; the warm-up check goes through the store
+        (see c10d_warmup), so a rank checking while its peer does not never waits in a collective."""
+        n = self._issued[0]
+        self._issued[0] = n + 1
+        if not ticket.checked:
+            issue_unchecked(ticket, self, n)
+        elif full_check_here():
+            super()._verify(ticket, digest)
+        else:
+            check_through_store(self, ticket, n)
 
     def set_timeout(self, timeout_s: float) -> None:
         """Give the group (and every mesh-dim view of it) a new collective timeout."""
@@ -147,6 +172,9 @@ class C10dCommunicator(Communicator):
         super().set_timeout(timeout_s)
 
     def _raise_named(self, kind: str, error: RuntimeError) -> NoReturn:
+        verdict = verdict_for(done_unchecked())  # a peer's warm-up check found this collective disagreeing
+        if verdict is not None:
+            raise verdict from error
         text = str(error)
         lowered = text.lower()
         me = dist.get_rank()
@@ -223,6 +251,7 @@ class C10dCommunicator(Communicator):
                 self._raise_named("reduce_scatter", error)
             self._native_reduce_scatter = False
             return self._reduce_scatter(stacked, reduce_op)
+        done_unchecked()
         return self._finish_avg(out.view(block), divide)
 
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:

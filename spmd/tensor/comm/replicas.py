@@ -80,9 +80,10 @@ _LIBRARY_DIRS = (
 )
 
 
-def user_frame() -> FrameType | None:
-    """The innermost frame outside spmd, torch and the standard library: where the user's code is."""
-    frame: FrameType | None = sys._getframe(1)
+def user_frame(start: FrameType | None = None) -> FrameType | None:
+    """The innermost frame outside spmd, torch and the standard library, from ``start`` (default: the
+    caller's) outwards: where the user's code is."""
+    frame: FrameType | None = sys._getframe(1) if start is None else start
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame = frame.f_back
     return frame

@@ -25,6 +25,7 @@ from spmd.tensor.debug import (
 )
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from spmd.testing import run_threaded
+from spmd.testing.multiprocess import RankFailed, run_multiprocess
 
 
 def _error_of(fn: Any) -> str:
@@ -204,6 +205,7 @@ SILENT_REDUCE = """
 import torch
 from spmd.tensor import DTensor, Partial, init_device_mesh
 from spmd.testing import run_threaded
+from spmd.testing.multiprocess import RankFailed, run_multiprocess
 
 def main():
     mesh = init_device_mesh("cpu", (2,))
@@ -238,3 +240,30 @@ def test_replicated_values_stay_replicated_under_the_default() -> None:
     expected = torch.arange(24.0).reshape(4, 6)
     for result in run_threaded(step, 4):
         torch.testing.assert_close(result, expected @ expected.t())
+
+
+# ----- gloo processes ------------------------------------------------------------------------------
+def new_branch_after_the_warmup() -> None:
+    """test_a_rank_taking_a_new_branch_after_the_warmup_raises_on_every_rank, on processes (uncaught)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
+    for step in range(4):
+        target = Shard(1) if step == 3 and mesh.get_rank() == 1 else Shard(0)
+        x.redistribute(mesh, [target])
+
+
+@pytest.mark.multiprocess
+def test_a_new_branch_after_the_warmup_raises_on_every_gloo_process_within_seconds() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        # the group's timeout (60 s) is far beyond what this may take
+        run_multiprocess(new_branch_after_the_warmup, 2, timeout=60.0)
+    assert time.monotonic() - start < 30
+    report = str(info.value)
+    # rank 1 checked its new collective through the store and saw rank 0 waiting in its old one unchecked;
+    # rank 0 raised the same error when rank 1's process went away
+    assert report.count("CollectiveMismatchError: rank") == 2, report
+    assert "ranks [0]: reduce_scatter(sum) on mesh dim 'tp' f32[2,2,4]" in report
+    assert "(not checked: this rank had issued it before)" in report
+    assert "ranks [1]: reduce_scatter(sum) on mesh dim 'tp' f32[2,4,2]" in report
+    assert "test_warmup_check.py:" in report and "in new_branch_after_the_warmup" in report
