@@ -128,22 +128,21 @@ class Dispatcher:
 
         Op rules know Shard, Replicate and Partial only, so none ever sees a strided layout (read as
         a plain Shard it would give wrong values). The gather is an implicit move: logged, counted
-        by CommDebugMode, refused under explicit redistribution. An argument the op writes into
-        cannot be a strided DTensor: the write would land in the gathered copy.
+        by CommDebugMode, refused under explicit redistribution. A strided argument the op writes
+        into (``x.add_(y)``, an optimizer's foreach step) is written through its gathered copy, whose
+        new values are then cut back into its pieces (locally: the copy holds every entry).
         """
         op = entry.op
         names = _leaf_arguments(op, shape, kwarg_names, len(leaves))
         written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         strided = [n for n, i in enumerate(positions) if has_strided(leaves[i]._spec.placements)]
-        for n in strided:
-            if names[positions[n]] in written:
-                raise ShardingError(
-                    f"{op} writes into {names[positions[n]]}, a DTensor laid out as {leaves[positions[n]]._spec}; "
-                    "ops read _StridedShard inputs through a gathered copy, so the write would be lost. "
-                    "Redistribute it to Shard/Replicate placements first (x = x.redistribute(mesh, [...])), "
-                    "or use the out-of-place op"
-                )
-        if op in LAYOUT_NEUTRAL_OPS and len(positions) == 1:
+        written_back = [leaves[positions[n]] for n in strided if names[positions[n]] in written]
+        if written_back and entry.inplace_view:
+            raise ShardingError(
+                f"{op} would change the shape of {written_back[0]._spec} in place, and a _StridedShard layout "
+                "cannot follow it; redistribute it to Shard/Replicate placements first, or use the out-of-place op"
+            )
+        if op in LAYOUT_NEUTRAL_OPS and len(positions) == 1 and not written_back:
             kept = _run_layout_neutral(op, leaves, shape, kwarg_names, positions[0])
             if kept is not None:
                 return kept
@@ -155,22 +154,32 @@ class Dispatcher:
             move = Decision(tuple(placements), (), (), (), 0.0, entry.inplace, moves=tuple(strided))
             self.refuse_implicit(op, leaves, shape, kwarg_names, positions, move)
         gathered = list(leaves)
-        done: dict[int, DTensor] = {}  # an input passed twice (x + x) is gathered once
+        copies: dict[int, DTensor] = {}  # an input passed twice (x + x) is gathered once
         with op_scope(str(op)) if STATE.listening else contextlib.nullcontext():
             for n, want in zip(strided, wanted):
                 dt = leaves[positions[n]]
-                if id(dt) in done:
-                    gathered[positions[n]] = done[id(dt)]
-                    continue
-                if STATE.verbose:
-                    log_line(
-                        "%-30s input %d: %s -> %s  (gathered before the op's rule: _StridedShard)",
-                        op, n, format_placements(dt._spec.placements), format_placements(want),
-                    )
-                local = redistribute_local(dt._local_tensor, dt._spec, want)
-                gathered[positions[n]] = done[id(dt)] = DTensor(local, dt._spec.with_placements(want), requires_grad=False)
+                if id(dt) not in copies:
+                    if STATE.verbose:
+                        log_line(
+                            "%-30s input %d: %s -> %s  (gathered before the op's rule: _StridedShard)",
+                            op, n, format_placements(dt._spec.placements), format_placements(want),
+                        )
+                    local = redistribute_local(dt._local_tensor, dt._spec, want)
+                    copies[id(dt)] = DTensor(local, dt._spec.with_placements(want), requires_grad=False)
+                gathered[positions[n]] = copies[id(dt)]
         new_args, new_kwargs = unflatten_call(gathered, shape, kwarg_names)
-        return self.dispatch(op, tuple(new_args), new_kwargs)
+        result = self.dispatch(op, tuple(new_args), new_kwargs)
+        if entry.returns_view and not entry.inplace:  # a view of the copy: writing into it must raise
+            for piece in result if isinstance(result, (list, tuple)) else (result,):
+                if isinstance(piece, DTensor):
+                    piece._copied_view = True
+        originals = {id(copies[id(dt)]): dt for dt in written_back}
+        for dt in {id(dt): dt for dt in written_back}.values():
+            copy = copies[id(dt)]  # still laid out as gathered: an in-place op keeps self's placements
+            dt._local_tensor.copy_(redistribute_local(copy._local_tensor, copy._spec, dt._spec.placements))
+        if isinstance(result, (list, tuple)):
+            return type(result)(originals.get(id(r), r) for r in result)
+        return originals.get(id(result), result)
 
     @staticmethod
     def unwrap_mixed(entry: OpEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> UnwrappedCall:

@@ -275,15 +275,47 @@ class StridedShardTest(DTensorTestBase):
         self.assertEqual(tuple(rand(9, 3, device_mesh=mesh, placements=placements).to_local().shape), z.shape)
 
     @with_comms
-    def test_writing_into_a_strided_dtensor_is_refused(self) -> None:
+    def test_writes_go_through_a_gathered_copy_and_back_into_the_pieces(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2))
-        x = distribute_tensor(torch.ones(8, 4), mesh, [SS(0, split_factor=2), S0])
-        before = x.to_local().clone()
-        with self.assertRaisesRegex(ShardingError, "writes into self"):
-            x.add_(1)
-        with self.assertRaisesRegex(ShardingError, "writes into"):
-            torch._foreach_add_([x], 1.0)
-        assert_same(x.to_local(), before)
+        placements = [SS(0, split_factor=2), S0]
+        full = torch.arange(36.0).reshape(9, 4)
+        x = distribute_tensor(full, mesh, placements)
+        storage = x.to_local().data_ptr()
+        with CommDebugMode() as comm:
+            same = x.mul_(2)
+        self.assertIs(same, x)
+        self.assertEqual(comm.get_comm_counts(), {"all_gather": 2})  # the gather; cutting back is local
+        self.assertEqual(x.to_local().data_ptr(), storage)  # written in place
+        self.assertEqual(x.placements, tuple(placements))
+        assert_same(x.to_local(), distribute_tensor(2 * full, mesh, placements).to_local())
+        torch._foreach_add_([x], 1.0)
+        x.add_(x)
+        assert_same(x.full_tensor(), 2 * (2 * full + 1))
+        with self.assertRaisesRegex(ShardingError, "in place"):
+            x.t_()
+        out = distribute_tensor(torch.zeros(9, 4), mesh, placements)
+        torch.add(x, 1, out=out)
+        assert_same(out.full_tensor(), 2 * (2 * full + 1) + 1)
+        self.assertEqual(out.placements, tuple(placements))
+        with self.assertRaisesRegex(RuntimeError, "writes into a view"):
+            x[2] = 5.0  # a view of the gathered copy: the write would not reach x
+
+    @with_comms
+    def test_optimizer_step_on_a_strided_parameter(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements = [SS(0, split_factor=2), S0]
+        full = torch.arange(36.0).reshape(9, 4) / 10
+        for foreach in (False, True):
+            param = torch.nn.Parameter(distribute_tensor(full, mesh, placements))
+            reference = torch.nn.Parameter(full.clone())
+            for p in (param, reference):
+                opt = torch.optim.AdamW([p], lr=0.1, foreach=foreach)
+                for _ in range(2):
+                    opt.zero_grad()
+                    (p * p).sum().backward()
+                    opt.step()
+            self.assertEqual(param.placements, tuple(placements))
+            torch.testing.assert_close(param.full_tensor(), reference.detach())
 
     @with_comms
     def test_torch_save_and_load(self) -> None:
