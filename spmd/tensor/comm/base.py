@@ -319,16 +319,16 @@ class Communicator(ABC):
             _collective_check(self, "all_gather_object", None, "")
         return self._all_gather_object(obj)
 
-    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+    def _verify(self, ticket: CheckTicket) -> None:
         """Run the collective check for ``ticket`` before the collective (c10d): if it is
-        ``checked``, all-gather an 8-byte ``digest()`` of each member's fingerprint and, only when
+        ``checked``, all-gather an 8-byte digest of each member's fingerprint and, only when
         they differ, the fingerprints themselves; then every member raises the same error.
 
         Every member must make the same call (ranks that agree check the same collectives).
         """
         if not ticket.checked:
             return
-        digests = self._all_gather(torch.tensor([digest()], dtype=torch.int64))
+        digests = self._all_gather(torch.tensor([mismatch_side(ticket, ticket.kind).digest()], dtype=torch.int64))
         if bool((digests == digests[0]).all()):
             return
         sides: list[Any] = self._all_gather_object(mismatch_side(ticket, ticket.kind))

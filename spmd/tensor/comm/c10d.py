@@ -154,7 +154,7 @@ class C10dCommunicator(Communicator):
         finally:
             done_unchecked()
 
-    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+    def _verify(self, ticket: CheckTicket) -> None:
         """The full check exchanges digests over the group; the warm-up check goes through the store
         (see c10d_warmup), so a rank checking while its peer does not never waits in a collective."""
         n = self._issued[0]
@@ -162,7 +162,7 @@ class C10dCommunicator(Communicator):
         if not ticket.checked:
             issue_unchecked(ticket, self, n)
         elif full_check_here():
-            super()._verify(ticket, digest)
+            super()._verify(ticket)
         else:
             check_through_store(self, ticket, n)
 

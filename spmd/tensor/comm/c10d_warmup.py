@@ -46,8 +46,8 @@ STALL_S = 1.0
 """How long an unchecked collective waits before the watchdog writes its fingerprint to the store."""
 _WATCH_EVERY_S = 0.25
 
-_in_flight: dict[int, tuple[CheckTicket, str, float]] = {}
-"""Thread id -> (ticket, slot prefix, start) of the unchecked collective that thread is in."""
+_in_flight: dict[int, tuple[CheckTicket, C10dCommunicator, int, float]] = {}
+"""Thread id -> (ticket, communicator, position, start) of the unchecked collective that thread is in."""
 _posted: set[str] = set()
 _watchdog: threading.Thread | None = None
 _watchdog_lock = threading.Lock()
@@ -88,23 +88,23 @@ def check_through_store(comm: C10dCommunicator, ticket: CheckTicket, n: int) -> 
 
 def issue_unchecked(ticket: CheckTicket, comm: C10dCommunicator, n: int) -> None:
     """Note that the calling thread issues collective ``n`` unchecked, for the watchdog."""
-    _in_flight[threading.get_ident()] = (ticket, slot_prefix(comm, n), time.monotonic())
+    _in_flight[threading.get_ident()] = (ticket, comm, n, time.monotonic())
     if _watchdog is None:
         _start_watchdog()
 
 
-def done_unchecked() -> tuple[CheckTicket, str, float] | None:
+def done_unchecked() -> tuple[CheckTicket, C10dCommunicator, int, float] | None:
     """The calling thread left its unchecked collective; return what was noted of it."""
     return _in_flight.pop(threading.get_ident(), None)
 
 
-def verdict_for(noted: tuple[CheckTicket, str, float] | None) -> CollectiveMismatchError | None:
+def verdict_for(noted: tuple[CheckTicket, C10dCommunicator, int, float] | None) -> CollectiveMismatchError | None:
     """The mismatch a peer found at the noted collective (its verdict in the store), if any."""
-    if noted is None or noted[1] not in _posted:
+    if noted is None or slot_prefix(noted[1], noted[2]) not in _posted:
         return None
     try:
         store = _store()
-        key = noted[1] + "verdict"
+        key = slot_prefix(noted[1], noted[2]) + "verdict"
         if not store.check([key]):
             return None
         return CollectiveMismatchError(f"rank {dist.get_rank()}: {store.get(key).decode()}")
@@ -125,7 +125,8 @@ def _watch() -> None:
     while True:
         time.sleep(_WATCH_EVERY_S)
         now = time.monotonic()
-        for thread_id, (ticket, prefix, start) in list(_in_flight.items()):
+        for thread_id, (ticket, comm, n, start) in list(_in_flight.items()):
+            prefix = slot_prefix(comm, n)
             if now - start < STALL_S or prefix in _posted:
                 continue
             _posted.add(prefix)

@@ -262,7 +262,7 @@ class ThreadedCommunicator(Communicator):
             comm=self if ticket is None else ticket.comm,
         )
 
-    def _verify(self, ticket: CheckTicket, digest: Callable[[], int]) -> None:
+    def _verify(self, ticket: CheckTicket) -> None:
         """Threads compare in the collective's own round: the ticket rides with the data."""
         _pending.ticket = ticket
 

@@ -255,7 +255,7 @@ def _check_before_collective(comm: Communicator, kind: str, tensor: torch.Tensor
             counts[counted] = seen + 1
             checked = True
     ticket = CheckTicket(comm, kind, tuple(shape) if shape is not None else None, dtype, detail, key, checked)
-    comm._verify(ticket, lambda: _side_of(ticket).digest())
+    comm._verify(ticket)
 
 
 def _mismatch_error(comm: Communicator, seq: int, sides: list[Any]) -> CollectiveMismatchError:

@@ -125,10 +125,10 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     counts: Counter[int] = Counter()
     verify = ThreadedCommunicator._verify
 
-    def counted(self: ThreadedCommunicator, ticket: CheckTicket, digest: Any) -> None:
+    def counted(self: ThreadedCommunicator, ticket: CheckTicket) -> None:
         if ticket.checked:
             counts[ticket.comm.ranks[ticket.comm.local_rank]] += 1
-        verify(self, ticket, digest)
+        verify(self, ticket)
 
     monkeypatch.setattr(ThreadedCommunicator, "_verify", counted)
     return counts
