@@ -9,6 +9,10 @@ its own file, inside a running world that already holds an equal mesh, as with t
     torch.save(model.state_dict(), f"ckpt.rank{rank}.pt")
     model.load_state_dict(torch.load(f"ckpt.rank{rank}.pt", weights_only=True))
 
+A file loaded where no world runs (a script inspecting a checkpoint) gives DTensors on a mesh of a
+``DetachedWorld``, in which the process is the rank that saved the file: they read as they did
+there (``to_local()``, placements, shape) and raise on their first collective.
+
 Importing ``spmd.tensor`` registers both reductions with ``copyreg`` (which pickle consults before
 ``__reduce_ex__``) and allowlists the rebuild functions and value classes for
 ``torch.load(weights_only=True)``. ``copy.deepcopy`` of a DTensor is ``DTensor.__deepcopy__``.
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.tensor.comm import World, active_world, current_world
+from spmd.tensor.comm.detached import DetachedWorld
 from spmd.tensor.device_mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Replicate, Shard, _rebuild_strided_shard, _StridedShard, format_placements
@@ -37,20 +42,30 @@ NO_WORLD_MESSAGE = (
 )
 
 
-def _running_world() -> World:
+def _running_world() -> World | None:
     """The world the caller is a rank of, without starting one (that would be a collective)."""
     world = active_world()
     if world is not None:
         return world
     if dist.is_available() and dist.is_initialized():
         return current_world()
-    raise RuntimeError(NO_WORLD_MESSAGE)
+    return None
 
 
-def rebuild_device_mesh(device_type: str, ranks: list[Any], mesh_dim_names: tuple[str, ...] | None) -> DeviceMesh:
-    """An equal mesh on the caller's world, reusing the communicators that world already has."""
+def rebuild_device_mesh(
+    device_type: str, ranks: list[Any], mesh_dim_names: tuple[str, ...] | None, saved_by: int | None = None
+) -> DeviceMesh:
+    """An equal mesh on the caller's world, reusing the communicators that world already has.
+
+    Where no world runs, the mesh is rebuilt on a ``DetachedWorld`` in which the caller is the rank
+    that saved it (``saved_by``): its DTensors read as they did there, and cannot communicate.
+    """
     world = _running_world()
     flat = torch.tensor(ranks).flatten().tolist()
+    if world is None:
+        if saved_by is None:
+            raise RuntimeError(NO_WORLD_MESSAGE)
+        world = DetachedWorld(max(*flat, saved_by) + 1, saved_by)
     if max(flat) >= world.size:
         raise RuntimeError(
             f"a DeviceMesh over ranks {ranks} was saved, but the world loading it has {world.size} ranks; "
@@ -68,8 +83,13 @@ def rebuild_device_mesh(device_type: str, ranks: list[Any], mesh_dim_names: tupl
 
 
 def reduce_device_mesh(mesh: DeviceMesh) -> tuple[Any, ...]:
-    """How a DeviceMesh pickles: its description only (the world and communicators belong to the job)."""
-    return rebuild_device_mesh, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)
+    """How a DeviceMesh pickles: its description and the saving rank (the world and communicators
+    belong to the job; the rank lets a process with no world read the saved DTensors as that rank)."""
+    try:
+        saved_by: int | None = mesh._world.current_rank()
+    except Exception:  # pickled outside its world (e.g. returned from run_threaded)
+        saved_by = None
+    return rebuild_device_mesh, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, saved_by)
 
 
 def reduce_dtensor(dtensor: DTensor) -> tuple[Any, ...]:

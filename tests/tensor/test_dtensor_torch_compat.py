@@ -7,6 +7,10 @@ Each test is a regression test for a case where spmd used to differ: a wrong val
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from spmd.tensor import (
@@ -210,3 +214,28 @@ class AsStridedStorageOffsetTest(DTensorTestBase):
             replicated.as_strided((2, 2), (1, 2), storage_offset=1).full_tensor(),
             full[:, 1:].as_strided((2, 2), (1, 2), storage_offset=1),
         )
+
+
+def test_a_saved_dtensor_loads_outside_a_running_world_as_the_rank_that_saved_it(tmp_path: Path) -> None:
+    def save() -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        torch.save(x, tmp_path / f"rank{mesh.get_rank()}.pt")
+
+    run_threaded(save, 2)
+    script = f"""
+import torch, spmd.tensor
+from spmd.tensor.comm.detached import DetachedWorldError
+x = torch.load(r"{tmp_path / 'rank1.pt'}", weights_only=True)
+assert x.placements == (spmd.tensor.Shard(0),) and x.shape == (4, 2), x
+assert x.to_local().tolist() == [[4.0, 5.0], [6.0, 7.0]], x.to_local()
+assert x.device_mesh.get_coordinate() == (1,)
+try:
+    x.full_tensor()
+except DetachedWorldError as error:
+    assert "outside a running world" in str(error)
+else:
+    raise AssertionError("a detached DTensor communicated")
+"""
+    # a fresh process: no world, no process group
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=120)

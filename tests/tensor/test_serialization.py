@@ -281,10 +281,12 @@ def _save_a_dtensor(world_size: int) -> DTensor:
     return distribute_tensor(torch.arange(12.0).reshape(6, 2), init_device_mesh("cpu", (world_size,)), [Shard(0)])
 
 
-def test_unpickling_outside_a_world_says_what_is_missing() -> None:
+def test_unpickling_outside_a_world_reads_but_does_not_communicate() -> None:
     saved = run_threaded(lambda: pickle.dumps(_save_a_dtensor(2)), 2)[0]
-    with pytest.raises(RuntimeError, match=r"inside spmd\.testing\.run_threaded or after"):
-        pickle.loads(saved)
+    detached = pickle.loads(saved)  # as rank 0, which saved it
+    torch.testing.assert_close(detached.to_local(), torch.arange(6.0).reshape(3, 2))
+    with pytest.raises(RuntimeError, match=r"outside a running world.*inside spmd\.testing\.run_threaded or after"):
+        detached.full_tensor()
     with pytest.raises(RuntimeError, match="world of the size that saved it"):
         run_threaded(pickle.loads, 1, saved)
 
