@@ -6,18 +6,20 @@ to run the ranks as 4 gloo processes instead of 4 threads).
 The step is the demo's (``examples/train_transformer.py``: the GPT on a dp=2 x tp=2 mesh with
 sequence parallelism, forward, backward and AdamW), built with the demo's own functions. First a
 few steps with every check off (``warmup_check(False)``) fill the decision caches; then the first
-two steps with the default warm-up check on, which check every collective once more each (their
-extra time over an unchecked step is printed); then steps with no check, with the warm-up check
-past its first runs (the default steady state) and with the full check (``check_collectives()``,
-what ``SPMD_DEBUG=check`` turns on), in turn, so load from other jobs on the machine hits all
-alike. A step's time is rank 0's wall clock; the table prints the median per mode and its ratio to
-the unchecked step, and how many collectives a step issues.
+two steps with the default warm-up check on, which check each collective's first and second run
+(their extra time over an unchecked step is printed); then unchecked steps alternate with steps
+under the warm-up check past its first runs (the default's steady state), and then other unchecked
+steps with steps under the full check (``check_collectives()``, what ``SPMD_DEBUG=check`` turns
+on), so load from other jobs on the machine hits both sides of each ratio alike. A step's time is
+rank 0's wall clock; the table prints the median per mode, its ratio to the unchecked steps beside
+it, and how many collectives a step issues.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -40,7 +42,7 @@ MODES = ("off", "warm-up", "full")
 
 
 def measure(cfg: Config, steps: int) -> dict[str, Any]:
-    """On every rank: the first checked steps, then the three modes in turn; rank 0's step times."""
+    """On every rank: the first checked steps, then each check beside unchecked steps; rank 0's step times."""
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel)
     optimizer = make_optimizer(model, cfg)
@@ -50,6 +52,7 @@ def measure(cfg: Config, steps: int) -> dict[str, Any]:
         inputs, targets = (
             distribute_tensor(t, mesh, [Shard(0), Replicate()], src_data_rank=None) for t in batch_at(cfg, step)
         )
+        gc.collect()  # no step pays for the garbage of the one before it
         with warmup_check(False):
             for comm in everyone:  # start the step together
                 comm.all_gather_object(None)
@@ -64,14 +67,17 @@ def measure(cfg: Config, steps: int) -> dict[str, Any]:
             train_step(model, optimizer, inputs, targets)
         return time.perf_counter() - start
 
-    step = 0
     for step in range(WARMUP_STEPS):  # caches filled, nothing checked (the warm-up counts stay at zero)
         timed_step(step, "off")
     first = [timed_step(WARMUP_STEPS + i, "warm-up") for i in range(2)]  # each collective checked once more each
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for i in range(len(MODES) * steps):
-        mode = MODES[i % len(MODES)]
-        times[mode].append(timed_step(WARMUP_STEPS + 2 + i, mode))
+    # Each check alternates with unchecked steps of its own, so the two sides of a ratio run under the same load.
+    times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "off, beside full")}
+    step = WARMUP_STEPS + 2
+    for pair in (("off", "warm-up"), ("off, beside full", "full")):
+        for i in range(2 * steps):
+            mode = pair[i % 2]
+            times[mode].append(timed_step(step, "off" if mode.startswith("off") else mode))
+            step += 1
     inputs, targets = (
         distribute_tensor(t, mesh, [Shard(0), Replicate()], src_data_rank=None) for t in batch_at(cfg, 0)
     )
@@ -93,27 +99,24 @@ def main() -> None:
         torch.set_num_threads(1)
         result = run_threaded(measure, cfg.dp * cfg.tp, cfg, args.steps, timeout=120.0)[0]
         world = "4 threads"
-    medians = {mode: statistics.median(result["times"][mode]) for mode in MODES}
+    medians = {mode: statistics.median(times) for mode, times in result["times"].items()}
     off = medians["off"]
     print(f"demo step (dp=2 x tp=2, sequence parallel) on {world}, {args.steps} steps per mode, rank 0")
     print(f"collectives per step: {result['collectives']}")
     print(f"{'check':<28}{'median step':>14}{'vs off':>10}")
-    labels = {
-        "off": "off (SPMD_DEBUG=nocheck)",
-        "warm-up": "warm-up, steady (default)",
-        "full": "full (SPMD_DEBUG=check)",
-    }
-    for mode in MODES:
-        print(f"{labels[mode]:<28}{medians[mode] * 1e3:>11.1f} ms{medians[mode] / off:>9.3f}x")
+    rows = [
+        ("off (SPMD_DEBUG=nocheck)", medians["off"], off),
+        ("warm-up, steady (default)", medians["warm-up"], off),
+        ("full (SPMD_DEBUG=check)", medians["full"], medians["off, beside full"]),
+    ]
+    for label, median, reference in rows:
+        print(f"{label:<28}{median * 1e3:>11.1f} ms{median / reference:>9.3f}x")
     for i, first in enumerate(result["first"]):
-        print(
-            f"{f'warm-up, checked step {i + 1}':<28}{first * 1e3:>11.1f} ms{first / off:>9.3f}x  "
-            f"(+{(first - off) * 1e3:.1f} ms)"
-        )
-    full = medians["full"]
+        label = f"warm-up, checked step {i + 1}"
+        print(f"{label:<28}{first * 1e3:>11.1f} ms{first / off:>9.3f}x  ({(first - off) * 1e3:+.1f} ms)")
+    extra = medians["full"] - medians["off, beside full"]
     print(
-        f"full check: +{(full - off) * 1e3:.1f} ms per step, "
-        f"{(full - off) / max(result['collectives'], 1) * 1e6:.0f} us per collective"
+        f"full check: {extra * 1e3:+.1f} ms per step, {extra / max(result['collectives'], 1) * 1e6:.0f} us per collective"
     )
 
 
