@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from spmd.tensor.placement import _is_shard_like
 
 __all__ = ["DP_MESH_DIM_NAME", "ShardedParameter", "resolve_dp_mesh_dim", "dp_shard_dim", "shard_parameter"]
 
@@ -65,7 +66,7 @@ def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, 
     """The tensor dim the dp mesh dim shards (see the module docstring), or None to replicate over dp."""
     if dp_size == 1:
         return None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
-    taken = {p.dim for d, p in enumerate(placements) if d != dp and isinstance(p, Shard)}
+    taken = {p.dim for d, p in enumerate(placements) if d != dp and _is_shard_like(p)}  # _StridedShard too
     for k, size in enumerate(shape):
         if k not in taken and size >= dp_size:
             return k

@@ -152,8 +152,8 @@ class Shard(Placement):
 
 @dataclass(frozen=True, slots=True)
 class _StridedShard(Placement):
-    """The mesh dimension shards tensor dimension ``dim`` as if it had been cut *after* ``split_factor``
-    cuts that come later in the placements (torch's private placement, same name and meaning).
+    """The mesh dimension shards tensor dimension ``dim`` inside a ``split_factor``-way cut that later
+    mesh dims make: a right-to-left shard (torch's private placement, same name and meaning).
 
     The dim is first cut into ``split_factor`` groups (``torch.chunk``), each group is cut into one
     piece per rank, and a rank holds its piece of every group, in group order. With
