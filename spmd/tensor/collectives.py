@@ -15,6 +15,7 @@ blocks, the way NCCL wants them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 
 from spmd.tensor.comm import Communicator
 from spmd.tensor.device_mesh import DeviceMesh
-from spmd.tensor.placement import _StridedShard, pad_dim, shard_offsets, shard_sizes, strided_shard_indices
+from spmd.tensor.placement import _StridedShard, pad_dim, shard_offsets, shard_sizes
 
 __all__ = [
     "pad_dim",
@@ -106,15 +107,29 @@ def all_gather_strided(local: torch.Tensor, comm: Communicator, placement: _Stri
     """``_StridedShard`` -> Replicate over ``comm``: gather every member's piece of the ``full``-long
     dim, then put each entry back where it came from (one index_select)."""
     dim = placement.dim
-    owned = strided_shard_indices(full, comm.size, placement.split_factor)
-    longest = len(owned[0])  # coordinate 0 holds the longest piece
+    longest = placement.local_shard_size(full, comm.size, 0)  # coordinate 0 holds the longest piece
     stacked = comm.all_gather(pad_dim(local, dim, longest))  # [members, ...piece...]
     joined = stacked.movedim(0, dim).flatten(dim, dim + 1)  # member m's entry k at m * longest + k
-    where = [0] * full
-    for member, entries in enumerate(owned):
-        for k, entry in enumerate(entries):
-            where[entry] = member * longest + k
-    return joined.index_select(dim, torch.tensor(where, dtype=torch.long, device=local.device))
+    where = _strided_gather_order(full, comm.size, placement.split_factor)
+    return joined.index_select(dim, where.to(local.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_gather_order(full: int, n: int, split_factor: int) -> torch.Tensor:
+    """For each entry of a ``full``-long dim, where it lands in the padded gather of ``n`` strided
+    pieces (member ``m``'s entry ``k`` at ``m * longest + k``); built with one arange per block."""
+    longest = _StridedShard(0, split_factor=split_factor).local_shard_size(full, n, 0)
+    entries, positions = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+    for member in range(n):
+        held = 0
+        for group_start, group in zip(shard_offsets(full, split_factor), shard_sizes(full, split_factor)):
+            start, length = group_start + shard_offsets(group, n)[member], shard_sizes(group, n)[member]
+            entries.append(torch.arange(start, start + length))
+            positions.append(torch.arange(length) + member * longest + held)
+            held += length
+    where = torch.empty(full, dtype=torch.long)
+    where[torch.cat(entries)] = torch.cat(positions)
+    return where
 
 
 def local_chunk(local: torch.Tensor, n: int, index: int, dim: int) -> torch.Tensor:
