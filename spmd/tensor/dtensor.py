@@ -494,7 +494,7 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if spec.mesh.get_coordinate() is None:  # the rank held nothing of the tensor: its local gets no gradient
             return (None,) * 7
-        if full_check_here():
+        if full_check_here() and not torch.compiler.is_compiling():
             what = f"the gradient arriving at the backward of {ctx.label or 'DTensor.from_local'}"
             _compare_replicated(grad._local_tensor, grad._spec, grad._spec.placements, what, _GRAD_FIX)
         if ctx.grad_placements is not None:
@@ -527,7 +527,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
-        if full_check_here() and spec.mesh.get_coordinate() is not None:
+        if full_check_here() and not torch.compiler.is_compiling() and spec.mesh.get_coordinate() is not None:
             what = f"the gradient arriving at the backward of {ctx.label or 'to_local()'}"
             _compare_replicated(grad, spec, placements, what, _GRAD_FIX)
         grad_spec = DTensorSpec(

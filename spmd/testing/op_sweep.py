@@ -118,7 +118,13 @@ SLICE_OPS: tuple[str, ...] = (
 )
 """The fixed slice the CI test sweeps: about 150 common ops, by OpInfo name (``name.variant``)."""
 
-_COMM_ERROR_NAMES = ("CollectiveTimeoutError", "CollectiveAbortedError", "DistBackendError", "DistNetworkError")
+_COMM_ERROR_NAMES = (
+    "CollectiveTimeoutError",
+    "CollectiveAbortedError",
+    "CollectiveMismatchError",
+    "DistBackendError",
+    "DistNetworkError",
+)
 _COMM_ERROR_WORDS = ("collective mismatch", "gloo", "timed out", "connection closed", "connection reset")
 
 

@@ -134,7 +134,7 @@ def full_check_here() -> bool:
 def mismatch_side(ticket: CheckTicket | None, kind: str) -> Any:
     """This rank's side of a disagreement: its fingerprint, or just the kind when no check saw it."""
     if ticket is None or _side_of is None:
-        return f"{kind} (issued from compiled code or by spmd itself: not fingerprinted)"
+        return f"{kind} (not fingerprinted: issued with the checks off, from compiled code, or by spmd itself)"
     return _side_of(ticket)
 
 
