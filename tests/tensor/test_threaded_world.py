@@ -78,7 +78,9 @@ def test_mismatched_collectives_are_named() -> None:
             time.sleep(0.05)
             comm.all_reduce(torch.ones(2), "sum")
 
-    with pytest.raises(RuntimeError, match=r"disagree on a collective.*\n.*all_gather.*mismatched\n.*all_reduce\(sum\)"):
+    with pytest.raises(
+        RuntimeError, match=r"disagree on a collective.*\n.*all_gather.*mismatched\n.*all_reduce\(sum\)"
+    ):
         run_threaded(mismatched, 2, timeout=5)
 
 
