@@ -8,14 +8,18 @@ training loop pays one dict lookup per collective. ``SPMD_DEBUG=nocheck``,
 ``SPMD_DEBUG=check`` for the whole process or ``with check_collectives():`` for the calling rank
 (every rank must enter it at the same point of its program), checks every collective.
 
-A check is one exchange over the collective's own group of a digest of each rank's
-``CollectiveFingerprint`` (8 bytes over c10d; the fingerprint itself between threads). If they
-differ, every rank of the group raises ``CollectiveMismatchError`` naming the ranks that differ and
-showing both fingerprints, instead of exchanging data that would silently mix two different
-computations (or hang). The ranks count fingerprints, not call sites, so ranks that agree count
-alike and check the same collectives; ranks that disagree at a collective one of them has issued
-before (a rank-dependent branch) meet a check on one side and the collective on the other, which
-the threaded world reports the same way.
+Each collective gets a ``CheckTicket`` (what ranks must agree on, as values) and goes to its
+communicator's ``_verify``. The threaded world carries the ticket in the collective's own round and
+compares the tickets' keys before anyone reads the data (no extra exchange; compiled code carries
+none). Over c10d the full check all-gathers an 8-byte digest of each rank's
+``CollectiveFingerprint`` first, and the warm-up check exchanges fingerprints through the job's
+store (``comm/c10d_warmup.py``). If they differ, every rank of the group raises
+``CollectiveMismatchError`` naming the ranks that differ and showing each side's fingerprint and
+call site, instead of exchanging data that would silently mix two different computations (or hang).
+Ranks count what they compare, not call sites, so ranks that agree check the same collectives;
+ranks that disagree at a collective one of them has issued twice (a rank-dependent branch) meet a
+check on one side and an unchecked collective on the other, which both backends report as above
+instead of hanging.
 
 The call site is shown but not compared: the same collective may legally be issued from two lines
 (two branches of an ``if`` that do the same thing). A rank that never arrives at the exchange is
