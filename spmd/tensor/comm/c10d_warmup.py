@@ -6,7 +6,7 @@ checked twice (so it issues it at once) while its peer reaches one it never issu
 Had the check been a gloo collective, the two would wait in two different collectives forever.
 
 So here a check is an exchange through the store, in a slot named by the group and the collective's
-position on it (``spmd/check/<group>/<n>/<rank>``): each checking rank writes its fingerprint and
+position on it (``collective_check/<group>/<n>/<rank>``): each checking rank writes its fingerprint and
 waits for every member's. A member that went on unchecked into collective ``n`` does not write, but
 its process's watchdog thread does, once the collective has waited ``STALL_S``: its fingerprint,
 marked unchecked, with the call site read from the waiting thread's stack. The checking rank then
@@ -58,7 +58,7 @@ def _store() -> Any:
 
 
 def slot_prefix(comm: C10dCommunicator, n: int) -> str:
-    return f"spmd/check/{comm._group_name}/{n}/"
+    return f"collective_check/{comm._group_name}/{n}/"
 
 
 def check_through_store(comm: C10dCommunicator, ticket: CheckTicket, n: int) -> None:
