@@ -1,0 +1,129 @@
+"""What a redirected package's rewritten imports call at run time: torch's module names in, spmd's objects out.
+
+A redirected module binds this module as ``__spmd_compat__``; its import statements of torch's
+DTensor modules become calls of ``module``, ``names`` and ``star`` (see ``spmd.compat.rewrite``).
+Lookups happen when the statement runs, not when the package is redirected, so a name spmd lacks
+fails where it is imported, with an ``ImportError`` naming it (and ``try: ... except ImportError``
+around the import still works).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+from collections.abc import MutableMapping
+from typing import Any
+
+from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, classify
+
+__all__ = ["NoSpmdEquivalentError", "RedirectedNames", "module", "names", "star"]
+
+
+class NoSpmdEquivalentError(ImportError):
+    """A redirected package imports a torch DTensor module or name that spmd has no equivalent for."""
+
+
+def _no_equivalent(what: str, importer: str) -> str:
+    return (
+        f"spmd has no equivalent of {what} (imported by {importer}, whose imports of torch's DTensor modules "
+        f"spmd.compat.redirect sends to spmd); torch's DTensor internals do not work on spmd's DTensors. "
+        f"Avoid the code path that needs it, or run without the redirect (docs/compat.md lists what is mapped)"
+    )
+
+
+class RedirectedNames(types.ModuleType):
+    """A torch module whose names are taken one by one: the listed ones are spmd's, the rest torch's
+    (``torch.distributed.fsdp``: FSDP2 -> spmd.fsdp, FSDP1 stays torch's) or missing (private modules)."""
+
+    def __init__(self, torch_module: str) -> None:
+        super().__init__(torch_module, f"{torch_module}, names redirected to spmd: {sorted(NAMES[torch_module])}")
+        self.__torch_module = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        torch_module = self.__torch_module
+        spmd_module = NAMES[torch_module].get(name)
+        if spmd_module is not None:
+            target = importlib.import_module(spmd_module)
+            if not hasattr(target, name):
+                raise AttributeError(
+                    f"{torch_module}.{name} is redirected to {spmd_module}.{name}, which this version of spmd does not have"
+                )
+            return getattr(target, name)
+        if torch_module in TORCH_FALLBACK:
+            original = importlib.import_module(torch_module)
+            if hasattr(original, name):
+                return getattr(original, name)
+            return importlib.import_module(f"{torch_module}.{name}")
+        raise AttributeError(
+            f"{torch_module}.{name} has no spmd equivalent (spmd maps only {sorted(NAMES[torch_module])})"
+        )
+
+    def __dir__(self) -> list[str]:
+        listed = set(NAMES[self.__torch_module])
+        if self.__torch_module in TORCH_FALLBACK:
+            listed |= set(dir(importlib.import_module(self.__torch_module)))
+        return sorted(listed)
+
+    def __repr__(self) -> str:
+        return f"<module {self.__torch_module!r}, names redirected to spmd>"
+
+
+_proxies: dict[str, RedirectedNames] = {}
+_proxies_lock = threading.Lock()
+
+
+def module(torch_module: str, importer: str) -> types.ModuleType:
+    """What ``import torch_module`` means in the redirected module ``importer``."""
+    kind = classify(torch_module)
+    if kind == "spmd":
+        return importlib.import_module(MODULES[torch_module])
+    if kind == "names":
+        with _proxies_lock:
+            proxy = _proxies.get(torch_module)
+            if proxy is None:
+                proxy = _proxies[torch_module] = RedirectedNames(torch_module)
+        return proxy
+    if kind is None:  # not DTensor code: torch's own module (the rewrite never asks for one)
+        return importlib.import_module(torch_module)
+    raise NoSpmdEquivalentError(_no_equivalent(torch_module, importer), name=torch_module)
+
+
+def names(torch_module: str, wanted: tuple[str, ...], importer: str) -> tuple[Any, ...]:
+    """What ``from torch_module import *wanted`` binds in the redirected module ``importer``."""
+    found = []
+    for name in wanted:
+        submodule = f"{torch_module}.{name}"
+        listed = name in NAMES.get(torch_module, {})
+        if not listed and (submodule in MODULES or submodule in NAMES):
+            found.append(module(submodule, importer))
+            continue
+        source = module(torch_module, importer)
+        try:
+            found.append(getattr(source, name))
+        except AttributeError as error:
+            if classify(submodule) == "missing" and not listed:
+                raise NoSpmdEquivalentError(_no_equivalent(submodule, importer), name=submodule) from None
+            target = MODULES.get(torch_module) or NAMES.get(torch_module, {}).get(name, "spmd")
+            raise ImportError(
+                f"cannot import name {name!r} from {torch_module!r} in {importer} (redirected to {target}): "
+                f"{error.args[0] if isinstance(source, RedirectedNames) else f'{target} has no {name!r}'}",
+                name=torch_module,
+            ) from None
+    return tuple(found)
+
+
+def star(namespace: MutableMapping[str, Any], torch_module: str, importer: str) -> None:
+    """What ``from torch_module import *`` binds in ``namespace``: the public names of its redirect."""
+    source = module(torch_module, importer)
+    if isinstance(source, RedirectedNames):
+        public = list(NAMES[torch_module])
+        if torch_module in TORCH_FALLBACK:
+            original = importlib.import_module(torch_module)
+            public += [n for n in getattr(original, "__all__", dir(original)) if not n.startswith("_")]
+    else:
+        public = list(getattr(source, "__all__", [n for n in dir(source) if not n.startswith("_")]))
+    unique = tuple(dict.fromkeys(public))
+    namespace.update(zip(unique, names(torch_module, unique, importer)))
