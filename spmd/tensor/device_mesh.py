@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
@@ -13,7 +13,10 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
+from spmd.compile.properties import traceable_property
 from spmd.tensor.comm import Communicator, World, current_world
+from spmd.tensor.mesh_check import check_ranks_agree
+from spmd.tensor.mesh_layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
@@ -24,13 +27,12 @@ _ENTERED_MESHES: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("spmd_entered_m
 MeshKey = tuple[Any, ...]
 """A mesh's value without its world: (device type, shape, ranks, dim names)."""
 
-# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey) -> {name: root
-# dims}. Keyed by the mesh's value, because equal meshes are interchangeable (a decision cached by one
+# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey) -> {name: (layout,
+# names of the dims flattened)}. Keyed by the mesh's value, because equal meshes are interchangeable (a decision cached by one
 # rank thread may hand another rank a spec holding the first rank's mesh object), and by rank, because
 # rank threads reach their own `_flatten` calls at different times.
-_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey], dict[str, tuple[int, ...]]]] = (
-    weakref.WeakKeyDictionary()
-)
+Flattened = dict[str, tuple[DimLayout, tuple[str, ...]]]
+_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey], Flattened]] = weakref.WeakKeyDictionary()
 _FLATTENED_LOCK = threading.Lock()
 
 
@@ -62,7 +64,7 @@ class DeviceMesh:
         _world: World | None = None,
         _create_groups: bool = True,
         _root: DeviceMesh | None = None,
-        _root_dims: tuple[tuple[int, ...], ...] | None = None,
+        _layout: tuple[DimLayout, ...] | None = None,
     ) -> None:
         ranks = _ranks_tensor(mesh)
         self._device_type = device_type
@@ -81,15 +83,11 @@ class DeviceMesh:
             if not all(isinstance(name, str) for name in mesh_dim_names):
                 raise TypeError(f"mesh_dim_names must be strings, got {mesh_dim_names!r}")
             if len(mesh_dim_names) != ranks.ndim or len(set(mesh_dim_names)) != ranks.ndim:
-                raise ValueError(
-                    f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once"
-                )
+                raise ValueError(f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once")
         self._mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
         self._world = _world if _world is not None else current_world(device_type)
         if max(self._flat) >= self._world.size or min(self._flat) < 0:
-            raise ValueError(
-                f"mesh ranks {sorted(self._flat)} do not fit a world of {self._world.size} ranks"
-            )
+            raise ValueError(f"mesh ranks {sorted(self._flat)} do not fit a world of {self._world.size} ranks")
         strides = [math.prod(self._shape[d + 1 :]) for d in range(len(self._shape))]
         self._coordinates = {
             rank: tuple((i // strides[d]) % self._shape[d] for d in range(len(self._shape)))
@@ -109,36 +107,40 @@ class DeviceMesh:
         self._callers_in_mesh = len(self._flat) == self._world.size or (
             self._world.backend_name == "c10d" and self._world.current_rank() in self._coordinates
         )
-        # A sub-mesh (``mesh["tp"]``, ``mesh["dp", "cp"]._flatten()``) remembers the mesh it was cut
-        # from, and which of that mesh's dims each of its own dims spans, to find flattened dims.
+        # A mesh derived from another (``mesh["tp"]``, ``_flatten``, ``_unflatten``) remembers the root
+        # mesh it came from, and where each of its dims lies in the root's rank list (mesh_layout.py).
         self._root = _root
-        self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(ranks.ndim))
+        self._layout = _layout if _layout is not None else root_layout(self._shape)
         self._key: MeshKey = (device_type, self._shape, self._flat, self.mesh_dim_names)
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
         # communicators belong to different ranks.
         self._hash = hash((*self._key, id(self._world)))
 
     # ----- shape -----------------------------------------------------------------------------------
-    @property
+    # traceable_property, not property: torch.compile reads these on a mesh from outside the region.
+    @traceable_property
     def device_type(self) -> str:
         """``"cpu"`` or ``"cuda"``: where the ranks' tensors live."""
         return self._device_type
 
-    @property
+    @traceable_property
     def mesh(self) -> torch.Tensor:
         """The ranks as an int64 tensor of the mesh's shape."""
         return self._mesh
 
-    @property
+    @traceable_property
     def mesh_dim_names(self) -> tuple[str, ...] | None:
+        """One name per mesh dim, or None for an unnamed mesh."""
         return self._mesh_dim_names
 
-    @property
+    @traceable_property
     def shape(self) -> tuple[int, ...]:
+        """Ranks along each mesh dim."""
         return self._shape
 
-    @property
+    @traceable_property
     def ndim(self) -> int:
+        """Number of mesh dims."""
         return len(self._shape)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
@@ -221,57 +223,59 @@ class DeviceMesh:
             return self
         own = self.mesh_dim_names or ()
         flattened = self._flattened_dims() if self._root is None else {}
-        sources: list[tuple[int, ...]] = []
+        layouts: list[DimLayout] = []
         for name in wanted:
             if name in own:
-                sources.append(self._root_dims[own.index(name)])
+                layout = self._layout[own.index(name)]
             elif name in flattened:
-                sources.append(flattened[name])
+                layout = flattened[name][0]
             else:
                 made = f" and the flattened dims {tuple(flattened)}" if flattened else ""
                 where = "" if self._root is None else " (flattened dims are sliced from the mesh they were made on)"
                 raise KeyError(f"mesh has no dim named {name!r}; its dims are {self.mesh_dim_names}{made}{where}")
-        covered: list[int] = []
-        for name, source in zip(wanted, sources):
-            if any(d in covered for d in source):
+            if any(overlaps(layout, taken) for taken in layouts):
                 raise ValueError(
                     f"mesh[{names!r}] names mesh dim {name!r} more than once (or a flattened dim and one of "
                     "its parts); name each dim at most once"
                 )
-            covered.extend(source)
-        return self._get_root_mesh()._slice(tuple(sources), wanted)
+            layouts.append(layout)
+        return self._get_root_mesh()._slice(tuple(layouts), wanted)
 
     def _get_root_mesh(self) -> DeviceMesh:
-        """The mesh this one was cut from (itself when it was built directly)."""
+        """The mesh this one was derived from by slicing, ``_flatten`` or ``_unflatten`` (itself when
+        it was built directly); a slice of a slice knows the same root."""
         return self if self._root is None else self._root
 
-    def _slice(self, sources: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> DeviceMesh:
-        """The caller's sub-mesh of this root mesh whose dim ``i`` runs over root dims ``sources[i]``
-        (several root dims make one flattened dim, row-major)."""
-        coordinate = self._require_coordinate()
-        picked = [d for source in sources for d in source]
-        sub = self.mesh[tuple(slice(None) if d in picked else coordinate[d] for d in range(self.ndim))]
-        ascending = sorted(picked)
-        sub = sub.permute([ascending.index(d) for d in picked])
-        sub = sub.reshape([math.prod(self._shape[d] for d in source) for source in sources])
-        # Every group of the sub-mesh is a group of this mesh or of a dim flattened on it.
+    def _slice(self, layouts: tuple[DimLayout, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """The caller's mesh whose dim ``i`` lies at ``layouts[i]`` in this root mesh's rank list."""
+        axes = [axis for layout in layouts for axis in layout]
+        start = without_axes(self._caller_position(), axes)
+        ranks = torch.tensor([self._flat[start + offset] for offset in offsets(axes)], dtype=torch.int64)
+        shape = [math.prod(size for size, _ in layout) for layout in layouts]
+        # Every group of the sub-mesh was made with this mesh or with the call that derived the dims.
         return DeviceMesh(
             self.device_type,
-            sub,
+            ranks.reshape(shape),
             mesh_dim_names=names,
             _world=self._world,
             _create_groups=False,
             _root=self,
-            _root_dims=sources,
+            _layout=layouts,
         )
 
-    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+    def _caller_position(self) -> int:
+        """Where the caller's rank sits in this mesh's row-major rank list."""
+        coordinate = self._require_coordinate()
+        return sum(c * math.prod(self._shape[d + 1 :]) for d, c in enumerate(coordinate))
+
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> DeviceMesh:
         """This mesh as a 1-d mesh over all of its ranks (row-major), named on the root mesh.
 
         Every rank calls it (it creates a communicator per flattened group). The name defaults to
         the dim names joined by ``_``; afterwards ``root[name]`` returns the flattened mesh, and a
         redistribute that runs the same collective on each of the flattened dims in a row runs it
-        once over the flattened group instead.
+        once over the flattened group instead. ``backend_override`` is accepted for torch's
+        signature and changes nothing: a world has one backend (see ``_unflatten``).
 
         >>> mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))  # doctest: +SKIP
         >>> mesh["dp", "cp"]._flatten().mesh_dim_names  # doctest: +SKIP
@@ -290,21 +294,76 @@ class DeviceMesh:
                 f"cannot flatten into {name!r}: the mesh already has a dim of that name "
                 f"(its dims are {root.mesh_dim_names}); pass another mesh_dim_name"
             )
-        dims = tuple(d for source in self._root_dims for d in source)
+        layout = canonical([axis for dim in self._layout for axis in dim])
         registry = root._flattened_dims(create=True)
         known = registry.get(name)
         if known is None:
-            root._world.create_groups(root._groups_along(dims))
-            registry[name] = dims
-        elif known != dims:
-            made = tuple(root.mesh_dim_names[d] for d in known) if root.mesh_dim_names else known
+            root._world.create_groups(root._groups_along(layout))
+            registry[name] = (layout, self.mesh_dim_names)
+        elif known[0] != layout:
             raise ValueError(
-                f"a flattened dim {name!r} was already made from mesh dims {made}; pass another mesh_dim_name"
+                f"a flattened dim {name!r} was already made from mesh dims {known[1]}; pass another mesh_dim_name"
             )
-        return root._slice((dims,), (name,))
+        return root._slice((layout,), (name,))
 
-    def _flattened_dims(self, *, create: bool = False) -> dict[str, tuple[int, ...]]:
-        """The dims the caller has flattened on this (root) mesh: name -> root dims, row-major."""
+    def _unflatten(
+        self,
+        dim: int | str,
+        mesh_sizes: Sequence[int],
+        mesh_dim_names: Sequence[str],
+        backend_override: Mapping[int | str, Any] | None = None,
+    ) -> DeviceMesh:
+        """This mesh with dim ``dim`` split into dims of ``mesh_sizes`` named ``mesh_dim_names`` (row-major).
+
+        Every rank calls it (it creates a communicator per group of each new dim, unless one over the
+        same ranks exists). The result shares this mesh's root, so its slices and ``_flatten`` work as
+        on any sub-mesh: ``world._unflatten(0, (2, 4), ("dp", "tp"))["tp"]``. ``backend_override``
+        (new dim name or index -> backend) is checked as torch checks it, and changes nothing: a
+        world has one backend, and a dim given ``"fake"`` gets real groups, cheap to make (groups
+        over the same ranks are shared) and safe to use.
+
+        >>> world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))  # doctest: +SKIP
+        >>> world._unflatten(0, (2, 2, 2), ("pp", "dp", "tp")).shape  # doctest: +SKIP
+        (2, 2, 2)
+        """
+        if not self.mesh_dim_names:
+            raise RuntimeError(
+                "cannot unflatten a DeviceMesh without mesh_dim_names; pass mesh_dim_names=... when building it"
+            )
+        index = _unflatten_dim_index(self.mesh_dim_names, dim)
+        sizes, names = tuple(int(s) for s in mesh_sizes), tuple(mesh_dim_names)
+        if len(sizes) != len(names):
+            raise RuntimeError(
+                f"_unflatten got {len(sizes)} mesh_sizes {sizes} but {len(names)} mesh_dim_names {names}; "
+                "pass one name per size"
+            )
+        others = self.mesh_dim_names[:index] + self.mesh_dim_names[index + 1 :]
+        clashes = sorted({n for n in names if names.count(n) > 1 or n in others})
+        if clashes:
+            raise ValueError(
+                f"_unflatten names {clashes} twice (new dims {names}, other dims {others}); give each dim its own name"
+            )
+        _check_backend_override(backend_override, names)
+        if math.prod(sizes) != self._shape[index]:
+            raise ValueError(
+                f"_unflatten sizes {sizes} hold {math.prod(sizes)} ranks but mesh dim "
+                f"{self.mesh_dim_names[index]!r} has {self._shape[index]}; make their product {self._shape[index]}"
+            )
+        new_layouts = split(self._layout[index], sizes)
+        if new_layouts is None:
+            raise ValueError(
+                f"mesh dim {self.mesh_dim_names[index]!r} was flattened from dims of sizes "
+                f"{[size for size, _ in canonical(self._layout[index])]}; _unflatten sizes {sizes} must split "
+                "at their boundaries"
+            )
+        root = self._get_root_mesh()
+        groups = [group for layout in new_layouts for group in root._groups_along(layout)]
+        root._world.create_groups(list(dict.fromkeys(groups)))
+        layouts = self._layout[:index] + new_layouts + self._layout[index + 1 :]
+        return root._slice(layouts, others[:index] + names + others[index:])
+
+    def _flattened_dims(self, *, create: bool = False) -> Flattened:
+        """The dims the caller has flattened on this (root) mesh: name -> (layout, dims flattened)."""
         key = (self._world.current_rank(), self._key)
         per_world = _FLATTENED.get(self._world)
         if per_world is None:
@@ -319,11 +378,11 @@ class DeviceMesh:
             registry = per_world.setdefault(key, {})
         return registry
 
-    def _groups_along(self, dims: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Every group of ranks that differ only along ``dims`` (row-major over them), in one order."""
-        others = [d for d in range(self.ndim) if d not in dims]
-        rows = self.mesh.permute(*others, *dims).reshape(-1, math.prod(self._shape[d] for d in dims))
-        return [tuple(row) for row in rows.tolist()]
+    def _groups_along(self, layout: DimLayout) -> list[tuple[int, ...]]:
+        """Every group of this root mesh's ranks that differ only along ``layout``, in one order."""
+        starts = sorted({without_axes(position, layout) for position in range(len(self._flat))})
+        steps = offsets(layout)
+        return [tuple(self._flat[start + step] for step in steps) for start in starts]
 
     def _flattened_communicator(self, mesh_dims: Sequence[int]) -> Communicator | None:
         """The caller's communicator over ``mesh_dims`` of this mesh taken as one flattened dim, if a
@@ -332,21 +391,17 @@ class DeviceMesh:
         registry = root._flattened_dims()
         if not registry:
             return None
-        dims = tuple(d for m in mesh_dims for d in self._root_dims[m])
-        name = next((n for n, flat in registry.items() if flat == dims), None)
+        layout = canonical([axis for m in mesh_dims for axis in self._layout[m]])
+        name = next((n for n, (flat, _) in registry.items() if flat == layout), None)
         if name is None:
             return None
-        return self._world.communicator(root._ranks_along(dims)).on_mesh_dim(name)
+        return self._world.communicator(root._ranks_along(layout)).on_mesh_dim(name)
 
-    def _ranks_along(self, dims: tuple[int, ...]) -> tuple[int, ...]:
-        """The caller's group along ``dims`` (row-major over them), by arithmetic on the rank list:
-        no tensor op, so it also runs while torch.compile traces with fake tensors."""
-        coordinate = self._require_coordinate()
-        strides = [math.prod(self._shape[d + 1 :]) for d in range(self.ndim)]
-        offsets = [sum(coordinate[d] * strides[d] for d in range(self.ndim) if d not in dims)]
-        for d in dims:
-            offsets = [o + i * strides[d] for o in offsets for i in range(self._shape[d])]
-        return tuple(self._flat[o] for o in offsets)
+    def _ranks_along(self, layout: DimLayout) -> tuple[int, ...]:
+        """The caller's group along ``layout`` of this root mesh, by arithmetic on the rank list: no
+        tensor op, so it also runs while torch.compile traces with fake tensors."""
+        start = without_axes(self._caller_position(), layout)
+        return tuple(self._flat[start + step] for step in offsets(layout))
 
     # ----- the current mesh ------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -415,6 +470,32 @@ def _ranks_tensor(mesh: torch.Tensor | Sequence[Any]) -> torch.Tensor:
     return ranks.reshape(1) if ranks.ndim == 0 else ranks
 
 
+def _unflatten_dim_index(names: tuple[str, ...], dim: int | str) -> int:
+    """The index of the dim ``_unflatten`` splits, given by index or name (ValueError otherwise, as torch)."""
+    if isinstance(dim, str):
+        if dim not in names:
+            raise ValueError(f"_unflatten got dim {dim!r}, which is not one of the mesh's dims {names}")
+        return names.index(dim)
+    if not -len(names) <= dim < len(names):
+        raise ValueError(f"_unflatten got dim {dim}, out of range for a {len(names)}-d mesh {names}")
+    return dim % len(names)
+
+
+def _check_backend_override(backend_override: Mapping[int | str, Any] | None, names: tuple[str, ...]) -> None:
+    """Refuse what torch refuses: a key that is neither a new dim's name nor its index, or both for one dim."""
+    if not backend_override:
+        return
+    unknown = [key for key in backend_override if key not in names and key not in range(len(names))]
+    if unknown:
+        raise RuntimeError(
+            f"backend_override has keys {unknown} that name no new dim; use names in {names} "
+            f"or indices in [0, {len(names)})"
+        )
+    twice = [name for i, name in enumerate(names) if name in backend_override and i in backend_override]
+    if twice:
+        raise RuntimeError(f"backend_override names dims {twice} both by name and by index; keep one")
+
+
 def _holds_bool(mesh: object) -> bool:
     # torch.as_tensor turns [0, True] into int64, so look at the Python values themselves.
     if isinstance(mesh, bool):
@@ -446,7 +527,7 @@ def init_device_mesh(
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}; pass seconds or a timedelta")
     world = current_world(device_type, timeout_s=timeout_s)
-    _check_ranks_agree(world, mesh_shape, names, timeout_s)
+    check_ranks_agree(world, mesh_shape, names, timeout_s)
     if math.prod(mesh_shape) != world.size:
         raise ValueError(
             f"mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world.size}; "
@@ -456,26 +537,3 @@ def init_device_mesh(
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
     world.create_groups(mesh._groups(), timeout_s=timeout_s)
     return mesh
-
-
-def _check_ranks_agree(
-    world: World, mesh_shape: tuple[int, ...], names: str | tuple[str, ...] | None, timeout_s: float | None
-) -> None:
-    """Raise on every rank unless all ranks passed the same mesh shape and names."""
-    everyone = tuple(range(world.size))
-    world.create_groups([everyone], timeout_s=timeout_s)
-    mine = (mesh_shape, names)
-    described = world.communicator(everyone).all_gather_object(mine)
-    if all(theirs == mine for theirs in described):
-        return
-    by_args: dict[Any, list[int]] = {}
-    for rank, args in enumerate(described):
-        by_args.setdefault(args, []).append(rank)
-    listed = "; ".join(
-        f"ranks {ranks}: mesh_shape={shape}, mesh_dim_names={dim_names}"
-        for (shape, dim_names), ranks in by_args.items()
-    )
-    raise ValueError(
-        f"init_device_mesh was called with different arguments on different ranks ({listed}); "
-        "every rank must build the same mesh"
-    )
