@@ -294,9 +294,7 @@ def train(cfg: Config) -> list[float]:
     """Train on the (dp, tp) mesh of the current world (threads or torchrun processes); the loss per step."""
     mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     is_rank_0 = mesh.get_rank() == 0
-    model = apply_tp_and_dp(
-        build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp
-    )
+    model = apply_tp_and_dp(build_model(cfg), mesh, sequence_parallel=cfg.sequence_parallel, fsdp=cfg.fsdp)
     optimizer = make_optimizer(model, cfg)
     loss_fn = compile_model(model, cfg, mesh.size()) if cfg.compile else next_token_loss
     # torch's "compiled optimizer": one graph for the AdamW update of every parameter
@@ -341,7 +339,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, director
     model_state, optim_state = checkpoint.get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": 0}
     checkpoint.load(state, directory)
-    checkpoint.set_state_dict(model, optimizer, state["model"], state["optim"])
+    checkpoint.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
 

@@ -18,11 +18,13 @@ Save and resume a model and its optimizer (every rank runs this)::
     model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": 0}
     checkpoint.load(state, f"ckpt/step-{step}")
-    checkpoint.set_state_dict(model, optimizer, state["model"], state["optim"])
+    checkpoint.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     step = state["step"]
 
-The optimizer state is keyed by parameter name (``"0.weight"``), not by index, so it follows the
-parameters into any layout. ``Partial`` DTensors are reduced before they are written. Errors on
+``get_state_dict``/``set_state_dict`` and the rest of ``spmd.checkpoint.state_dict`` are
+``torch.distributed.checkpoint.state_dict``'s API (``StateDictOptions``, ``get_model_state_dict``,
+full state_dicts...): the optimizer state is keyed by parameter name (``"0.weight"``), not by
+index, so it follows the parameters into any layout. ``Partial`` DTensors are reduced before they are written. Errors on
 any rank (a shape or key that does not match, a missing file) raise ``CheckpointError`` on every
 rank, naming the key or file. The files are DCP's (``.metadata`` plus ``__<rank>_0.distcp``), so
 ``torch.distributed.checkpoint`` reads them too.
@@ -33,6 +35,26 @@ Importing this package imports ``torch.distributed.checkpoint``, which itself im
 
 from spmd.checkpoint.errors import CheckpointError
 from spmd.checkpoint.save_load import load, reduce_partials, save
-from spmd.checkpoint.state_dict import get_state_dict, set_state_dict
+from spmd.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
-__all__ = ["save", "load", "get_state_dict", "set_state_dict", "reduce_partials", "CheckpointError"]
+__all__ = [
+    "save",
+    "load",
+    "get_state_dict",
+    "set_state_dict",
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "StateDictOptions",
+    "reduce_partials",
+    "CheckpointError",
+]

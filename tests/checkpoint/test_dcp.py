@@ -205,7 +205,7 @@ def build(
             param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     if fully_sharded:
-        fully_shard(model, mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
     return model, optimizer
 
@@ -266,7 +266,7 @@ def resume(
     model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": 0}
     checkpoint.load(state, path)
-    checkpoint.set_state_dict(model, optimizer, state["model"], state["optim"])
+    checkpoint.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert state["step"] == 2
     assert optimizer.param_groups[0]["lr"] == 0.01
     return full_state(model, optimizer), train(model, optimizer, range(state["step"], 4))
@@ -307,7 +307,9 @@ def test_replicas_on_sub_meshes_are_written_once(tmp_path: Path) -> None:
     path = str(tmp_path / "tp-submesh")
 
     def save_on_submesh() -> dict[str, torch.Tensor]:
-        model, optimizer = build(seed=0, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], lr=0.01)
+        model, optimizer = build(
+            seed=0, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], lr=0.01
+        )
         train(model, optimizer, range(2))
         model_sd, optim_sd = checkpoint.get_state_dict(model, optimizer)
         checkpoint.save({"model": model_sd, "optim": optim_sd, "step": 2}, path)
