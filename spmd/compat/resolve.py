@@ -24,11 +24,12 @@ class NoSpmdEquivalentError(ImportError):
     """A redirected package imports a torch DTensor module or name that spmd has no equivalent for."""
 
 
-def _no_equivalent(what: str, importer: str) -> str:
+def _no_equivalent(what: str, importer: str, detail: str = "") -> str:
     return (
-        f"spmd has no equivalent of {what} (imported by {importer}, whose imports of torch's DTensor modules "
-        f"spmd.compat.redirect sends to spmd); torch's DTensor internals do not work on spmd's DTensors. "
-        f"Avoid the code path that needs it, or run without the redirect (docs/compat.md lists what is mapped)"
+        f"spmd has no equivalent of {what}{f' ({detail})' if detail else ''}, imported by {importer}, whose "
+        f"imports of torch's DTensor modules spmd.compat.redirect sends to spmd; torch's DTensor internals do not "
+        f"work on spmd's DTensors. Avoid the code path that needs it, or run without the redirect "
+        f"(docs/compat.md lists what is mapped)"
     )
 
 
@@ -104,14 +105,14 @@ def names(torch_module: str, wanted: tuple[str, ...], importer: str) -> tuple[An
         try:
             found.append(getattr(source, name))
         except AttributeError as error:
-            if classify(submodule) == "missing" and not listed:
-                raise NoSpmdEquivalentError(_no_equivalent(submodule, importer), name=submodule) from None
-            target = MODULES.get(torch_module) or NAMES.get(torch_module, {}).get(name, "spmd")
-            raise ImportError(
-                f"cannot import name {name!r} from {torch_module!r} in {importer} (redirected to {target}): "
-                f"{error.args[0] if isinstance(source, RedirectedNames) else f'{target} has no {name!r}'}",
-                name=torch_module,
-            ) from None
+            if listed:  # a name spmd maps but does not have (yet): say which
+                raise ImportError(
+                    f"cannot import name {name!r} from {torch_module!r} in {importer}: {error.args[0]}",
+                    name=torch_module,
+                ) from None
+            where = MODULES.get(torch_module)
+            detail = f"{where} has no {name!r}" if where else ""
+            raise NoSpmdEquivalentError(_no_equivalent(submodule, importer, detail), name=submodule) from None
     return tuple(found)
 
 
