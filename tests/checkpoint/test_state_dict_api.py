@@ -319,3 +319,46 @@ def test_compile_and_checkpoint_wrapper_prefixes_are_removed() -> None:
     assert model_keys == state_keys == group_params == NAMES
     assert list(expected_optim["state"]) == NAMES
     assert loaded.missing_keys == [] and loaded.unexpected_keys == []
+
+
+# ----- against torch's DTensor, on gloo processes -------------------------------------------------
+def torch_and_spmd_side_by_side() -> dict[str, Any]:
+    """The MLP tensor-parallel twice in one gloo process group: with torch's DTensor (torch's own
+    functions) and with spmd's (ours); trained 2 steps each, then each loads a one-device state
+    broadcast from rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    torch_model = torch_parallelize(
+        MLP(seed=0), torch_init_device_mesh("cpu", (2,)), {"up": TorchColwise(), "down": TorchRowwise()}
+    )
+    spmd_model = tensor_parallel(MLP(seed=0), init_device_mesh("cpu", (2,)))
+    torch_optimizer, spmd_optimizer = adamw(torch_model), adamw(spmd_model)
+    for model, optimizer in ((torch_model, torch_optimizer), (spmd_model, spmd_optimizer)):
+        train(model, optimizer, range(2))
+    full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    result = {
+        "torch": torch_dsd.get_state_dict(torch_model, torch_optimizer, options=full),
+        "spmd": get_state_dict(spmd_model, spmd_optimizer, options=full),
+    }
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for model, set_model in ((torch_model, torch_dsd.set_model_state_dict), (spmd_model, set_model_state_dict)):
+        # a state_dict each: torch's set_model_state_dict puts its DTensors into the one it is given
+        source = MLP(seed=3).state_dict() if torch.distributed.get_rank() == 0 else {}
+        set_model(model, source, options=broadcast)
+    result["torch_blocks"] = {name: value.to_local() for name, value in torch_model.state_dict().items()}
+    result["spmd_blocks"] = {name: value.to_local() for name, value in spmd_model.state_dict().items()}
+    return result
+
+
+@pytest.mark.multiprocess
+def test_same_state_dicts_as_torchs_dtensor_on_gloo() -> None:
+    from spmd.testing.multiprocess import run_multiprocess
+
+    for rank in run_multiprocess(torch_and_spmd_side_by_side, 2, timeout=240):
+        (torch_model_state, torch_optim_state), (spmd_model_state, spmd_optim_state) = rank["torch"], rank["spmd"]
+        assert_same_tensors(spmd_model_state, torch_model_state)
+        assert_same_tensors(spmd_optim_state, torch_optim_state)
+        assert_same_tensors(rank["spmd_blocks"], rank["torch_blocks"])
