@@ -14,7 +14,6 @@ import sys
 from collections.abc import Iterable
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["canonical_name", "canonical_keys", "parameter_names"]
 
@@ -64,15 +63,16 @@ def parameter_names(model: nn.Module, fqn_modifiers: str = "_fqn_modifiers") -> 
 def _is_wrapper_step(parent: nn.Module, part: str, fqn_modifiers: str) -> bool:
     if part in WRAPPER_ATTRIBUTES or part in _modifiers(parent, fqn_modifiers).values():
         return True
-    if part == "module" and isinstance(parent, DistributedDataParallel):
-        return True
-    return part == "_orig_mod" and _is_compiled_module(parent)
+    if part == "module":
+        return _is_instance(parent, "torch.nn.parallel.distributed", "DistributedDataParallel")
+    return part == "_orig_mod" and _is_instance(parent, "torch._dynamo.eval_frame", "OptimizedModule")
 
 
-def _is_compiled_module(module: nn.Module) -> bool:
-    """True for ``torch.compile``'s wrapper (only looked up when dynamo is loaded: a compiled model implies it)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+def _is_instance(module: nn.Module, defined_in: str, class_name: str) -> bool:
+    """``isinstance`` against a torch wrapper class, looked up only if its module is loaded (a model
+    wrapped by it implies it is), so that importing this module imports neither DDP nor dynamo."""
+    home = sys.modules.get(defined_in)
+    return home is not None and isinstance(module, getattr(home, class_name))
 
 
 def _modifiers(module: nn.Module, fqn_modifiers: str) -> dict[str, str]:
