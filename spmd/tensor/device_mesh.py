@@ -116,6 +116,56 @@ class DeviceMesh:
         # communicators belong to different ranks.
         self._hash = hash((*self._key, id(self._world)))
 
+    @staticmethod
+    def from_group(
+        group: Any | list[Any],
+        device_type: str,
+        mesh: torch.Tensor | Sequence[Any] | None = None,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+    ) -> DeviceMesh:
+        """A mesh over groups that already exist, as torch's: one group makes a 1-d mesh over its ranks;
+        a list of groups, the caller's group along each mesh dim in order, needs the whole ``mesh`` of
+        global ranks and its ``mesh_dim_names``.
+
+        A group is a c10d ProcessGroup (under torchrun) or what ``mesh.get_group()`` returns on any
+        world; the mesh communicates over it. Each rank passes its own groups; no rank talks.
+
+        >>> tp = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("tp",))  # doctest: +SKIP
+        """
+        world = current_world(device_type)
+        if not isinstance(group, (list, tuple)):
+            ranks = world.adopt_group(group)
+            if mesh is not None and _ranks_tensor(mesh).flatten().tolist() != list(ranks):
+                raise ValueError(f"from_group got mesh {mesh!r} for a group of ranks {list(ranks)}; pass mesh=None")
+            return DeviceMesh(
+                device_type, list(ranks), mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False
+            )
+        groups = list(group)
+        if not groups:
+            raise ValueError("from_group needs at least one group")
+        if mesh is None or mesh_dim_names is None:
+            raise ValueError(
+                "from_group with a list of groups needs mesh= (the global ranks, one mesh dim per group) "
+                "and mesh_dim_names="
+            )
+        built = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
+        if built.ndim != len(groups):
+            raise ValueError(
+                f"from_group got {len(groups)} groups for a {built.ndim}-d mesh {built.mesh.tolist()}; "
+                "pass one group per mesh dim"
+            )
+        me, names = world.current_rank(), built.mesh_dim_names or ()
+        for d, one in enumerate(groups):
+            ranks = world.adopt_group(one)
+            along = built._dim_groups[d].get(me)
+            if along is not None and ranks != along:
+                raise ValueError(
+                    f"from_group's group {d} holds ranks {list(ranks)}, but rank {me}'s ranks along mesh dim "
+                    f"{names[d]!r} are {list(along)}; pass the caller's groups in mesh-dim order"
+                )
+        return built
+
     # ----- shape -----------------------------------------------------------------------------------
     # traceable_property, not property: torch.compile reads these on a mesh from outside the region.
     @traceable_property

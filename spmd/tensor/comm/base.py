@@ -378,6 +378,19 @@ class World(ABC):
         that already exists is given it too (a group is shared by every mesh over its ranks).
         """
 
+    def adopt_group(self, group: Any) -> tuple[int, ...]:
+        """The ranks of ``group``, an existing group of this world, which ``communicator`` then finds.
+
+        What ``DeviceMesh.from_group`` builds on. Here a group is one of this world's communicators
+        (what ``mesh.get_group()`` returns outside c10d); the c10d world also takes a ProcessGroup.
+        """
+        if not isinstance(group, Communicator):
+            raise TypeError(
+                f"{type(self).__name__} groups are its communicators, got {type(group).__name__}; "
+                "pass a group from mesh.get_group()"
+            )
+        return self.communicator(group.ranks).ranks
+
     def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """The groups among ``groups`` that only a collective ``create_groups`` call could still make.
 

@@ -322,6 +322,20 @@ class C10dWorld(World):
     def missing_groups(self, groups: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         return [ranks for ranks in groups if ranks not in self._created]
 
+    def adopt_group(self, group: Any) -> tuple[int, ...]:
+        """The ranks of ``group``: a communicator of this world, or a ProcessGroup made outside spmd,
+        which then serves its ranks (unless a group over the same ranks already does)."""
+        if isinstance(group, Communicator):
+            return super().adopt_group(group)
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in self._created:
+            self._created.add(ranks)
+            if dist.get_rank() in ranks:
+                self._communicators[ranks] = C10dCommunicator(ranks, group, timeout_s=self.timeout_s)
+        return ranks
+
     def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for ranks in groups:
