@@ -57,9 +57,6 @@ DIFFERENCES: dict[str, str] = {
     "torch.distributed.device_mesh.init_device_mesh": (
         "no backend_override (one backend per world); extra timeout= bounding every collective on the mesh"
     ),
-    "torch.distributed.device_mesh.DeviceMesh.from_group": (
-        "building a mesh from existing c10d groups is not offered; init_device_mesh / DeviceMesh(ranks) build them"
-    ),
     # spmd.tensor.experimental
     "torch.distributed.tensor.experimental.context_parallel": (
         "not offered: context-parallel attention (ring attention over a sequence-sharded dim, patching "
