@@ -24,9 +24,10 @@ Save and resume a model and its optimizer (every rank runs this)::
 ``get_state_dict``/``set_state_dict`` and the rest of ``spmd.checkpoint.state_dict`` are
 ``torch.distributed.checkpoint.state_dict``'s API (``StateDictOptions``, ``get_model_state_dict``,
 full state_dicts...): the optimizer state is keyed by parameter name (``"0.weight"``), not by
-index, so it follows the parameters into any layout. ``Partial`` DTensors are reduced before they are written. Errors on
-any rank (a shape or key that does not match, a missing file) raise ``CheckpointError`` on every
-rank, naming the key or file. The files are DCP's (``.metadata`` plus ``__<rank>_0.distcp``), so
+index, so it follows the parameters into any layout.
+
+``Partial`` DTensors are reduced before they are written. Errors on any rank (a shape or key that
+does not match, a missing file) raise ``CheckpointError`` on every rank, naming the key or file. The files are DCP's (``.metadata`` plus ``__<rank>_0.distcp``), so
 ``torch.distributed.checkpoint`` reads them too.
 
 Importing this package imports ``torch.distributed.checkpoint``, which itself imports
