@@ -15,6 +15,7 @@ DTensor code and always stays torch's.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 __all__ = ["MODULES", "NAMES", "SPMD_ROOTS", "TORCH_FALLBACK", "ModuleKind", "classify"]
@@ -92,12 +93,15 @@ def _under(name: str, root: str) -> bool:
     return name == root or name.startswith(root + ".")
 
 
-def classify(torch_module: str) -> ModuleKind | None:
+def classify(torch_module: str, keep_torch: Collection[str] = ()) -> ModuleKind | None:
     """How the redirect treats an import of ``torch_module``; None when it stays torch's.
 
     ``"spmd"``: all of it comes from ``MODULES[torch_module]``; ``"names"``: name by name
-    (``NAMES``); ``"missing"``: DTensor code with no spmd equivalent.
+    (``NAMES``); ``"missing"``: DTensor code with no spmd equivalent. Modules at or under one of
+    ``keep_torch`` stay torch's (the caller's choice, for code paths it knows it will not run).
     """
+    if any(_under(torch_module, kept) for kept in keep_torch):
+        return None
     if torch_module in MODULES:
         return "spmd"
     if torch_module in NAMES:

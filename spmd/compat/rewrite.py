@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ast
 
-from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, classify
+from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, ModuleKind, classify
 
 __all__ = ["RESOLVER", "rewrite_imports"]
 
@@ -41,26 +41,27 @@ def _is_torch(name: str) -> bool:
     return name == "torch" or name.startswith("torch.")
 
 
-def _torch_aliases(tree: ast.Module) -> dict[str, str]:
+def _torch_aliases(tree: ast.Module, keep_torch: frozenset[str]) -> dict[str, str]:
     """Names bound to torch or to a torch package that is not redirected (``import torch.distributed as
     dist``), whose attribute chains may reach a redirected module (``dist.tensor.DTensor``)."""
     aliases = {"torch": "torch"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.asname and _is_torch(alias.name) and classify(alias.name) is None:
+                if alias.asname and _is_torch(alias.name) and classify(alias.name, keep_torch) is None:
                     aliases[alias.asname] = alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _is_torch(node.module):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
-                if alias.name != "*" and classify(full) is None:
+                if alias.name != "*" and classify(full, keep_torch) is None:
                     aliases[alias.asname or alias.name] = full
     return aliases
 
 
 class _ImportRewriter(ast.NodeTransformer):
-    def __init__(self, importer: str, aliases: dict[str, str]) -> None:
+    def __init__(self, importer: str, keep_torch: frozenset[str], aliases: dict[str, str]) -> None:
         self.importer = importer
+        self.keep_torch = keep_torch
         self.aliases = aliases
         self.changed = False
 
@@ -68,6 +69,12 @@ class _ImportRewriter(ast.NodeTransformer):
         self.changed = True
         attribute = ast.Attribute(value=ast.Name(id=RESOLVER, ctx=ast.Load()), attr=function, ctx=ast.Load())
         return ast.Call(func=attribute, args=[*args, ast.Constant(self.importer)], keywords=[])
+
+    def _kept(self, torch_module: str) -> bool:
+        return any(torch_module == k or torch_module.startswith(k + ".") for k in self.keep_torch)
+
+    def _kind(self, torch_module: str) -> ModuleKind | None:
+        return classify(torch_module, self.keep_torch)
 
     def _module(self, torch_module: str) -> ast.Call:
         return self._call("module", ast.Constant(torch_module))
@@ -82,7 +89,7 @@ class _ImportRewriter(ast.NodeTransformer):
                 kept.clear()
 
         for alias in node.names:
-            kind = classify(alias.name)
+            kind = self._kind(alias.name)
             if kind is None or (alias.asname is None and alias.name in TORCH_FALLBACK):
                 kept.append(alias)  # torch's own module; attribute chains into it are rewritten below
                 continue
@@ -97,7 +104,7 @@ class _ImportRewriter(ast.NodeTransformer):
                 ancestor = next(
                     ".".join(parts[:i])
                     for i in range(len(parts) - 1, 0, -1)
-                    if classify(".".join(parts[:i])) is None or ".".join(parts[:i]) in TORCH_FALLBACK
+                    if self._kind(".".join(parts[:i])) is None or ".".join(parts[:i]) in TORCH_FALLBACK
                 )
                 statements.append(ast.Import(names=[ast.alias(name=ancestor)]))
                 statements.append(ast.Expr(value=self._module(alias.name)))
@@ -107,30 +114,39 @@ class _ImportRewriter(ast.NodeTransformer):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.stmt | list[ast.stmt]:
         if node.level != 0 or node.module is None:
             return node
-        module = node.module
-        if classify(module) is not None:
-            if [alias.name for alias in node.names] == ["*"]:
-                globals_call = ast.Call(func=ast.Name(id="globals", ctx=ast.Load()), args=[], keywords=[])
-                return ast.copy_location(ast.Expr(value=self._call("star", globals_call, ast.Constant(module))), node)
-            targets = ast.Tuple(
-                elts=[ast.Name(id=a.asname or a.name, ctx=ast.Store()) for a in node.names], ctx=ast.Store()
-            )
-            wanted = ast.Tuple(elts=[ast.Constant(a.name) for a in node.names], ctx=ast.Load())
-            return ast.copy_location(
-                ast.Assign(targets=[targets], value=self._call("names", ast.Constant(module), wanted)), node
-            )
-        # `from torch.distributed import tensor, ProcessGroup`: only the redirected submodules change.
-        redirected = [a for a in node.names if a.name != "*" and classify(f"{module}.{a.name}") is not None]
+        if self._kind(node.module) is not None:
+            statements = self._from_redirected_module(node, node.module)
+        else:
+            statements = self._from_torch_package(node, node.module)
+        return [ast.copy_location(statement, node) for statement in statements]
+
+    def _from_redirected_module(self, node: ast.ImportFrom, module: str) -> list[ast.stmt]:
+        """``from torch.distributed.tensor import DTensor, Shard as S``: every name resolves to spmd's,
+        except a submodule the caller keeps torch's, imported as written."""
+        if [alias.name for alias in node.names] == ["*"]:
+            namespace = ast.Call(func=ast.Name(id="globals", ctx=ast.Load()), args=[], keywords=[])
+            return [ast.Expr(value=self._call("star", namespace, ast.Constant(module)))]
+        kept = [a for a in node.names if self._kept(f"{module}.{a.name}")]
+        taken = [a for a in node.names if a not in kept]
+        statements: list[ast.stmt] = [ast.ImportFrom(module=module, names=kept, level=0)] if kept else []
+        if taken:
+            targets: list[ast.expr] = [ast.Name(id=a.asname or a.name, ctx=ast.Store()) for a in taken]
+            wanted = ast.Tuple(elts=[ast.Constant(a.name) for a in taken], ctx=ast.Load())
+            value = self._call("names", ast.Constant(module), wanted)
+            statements.append(ast.Assign(targets=[ast.Tuple(elts=targets, ctx=ast.Store())], value=value))
+        return statements
+
+    def _from_torch_package(self, node: ast.ImportFrom, module: str) -> list[ast.stmt]:
+        """``from torch.distributed import tensor, ProcessGroup``: only the redirected submodules change."""
+        redirected = [a for a in node.names if a.name != "*" and self._kind(f"{module}.{a.name}") is not None]
         if not redirected:
-            return node
-        statements: list[ast.stmt] = []
+            return [node]
         kept = [a for a in node.names if a not in redirected]
-        if kept:
-            statements.append(ast.ImportFrom(module=module, names=kept, level=0))
+        statements: list[ast.stmt] = [ast.ImportFrom(module=module, names=kept, level=0)] if kept else []
         for alias in redirected:
             target = ast.Name(id=alias.asname or alias.name, ctx=ast.Store())
             statements.append(ast.Assign(targets=[target], value=self._module(f"{module}.{alias.name}")))
-        return [ast.copy_location(statement, node) for statement in statements]
+        return statements
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.expr:
         parts = _dotted(node)
@@ -140,7 +156,7 @@ class _ImportRewriter(ast.NodeTransformer):
         # The longest prefix that is a module of the map; the rest are attributes of what it resolves to.
         for end in range(len(full), 1, -1):
             prefix = ".".join(full[:end])
-            if prefix in MODULES or prefix in NAMES:
+            if (prefix in MODULES or prefix in NAMES) and self._kind(prefix) is not None:
                 break
         else:
             return node
@@ -165,9 +181,11 @@ def _prologue_index(body: list[ast.stmt]) -> int:
     return index
 
 
-def rewrite_imports(tree: ast.Module, importer: str) -> bool:
-    """Rewrite ``tree`` (the module ``importer``) in place; True when it named a redirected torch module."""
-    rewriter = _ImportRewriter(importer, _torch_aliases(tree))
+def rewrite_imports(tree: ast.Module, importer: str, keep_torch: frozenset[str] = frozenset()) -> bool:
+    """Rewrite ``tree`` (the module ``importer``) in place; True when it named a redirected torch module.
+
+    Imports of modules at or under ``keep_torch`` stay as written (torch's)."""
+    rewriter = _ImportRewriter(importer, keep_torch, _torch_aliases(tree, keep_torch))
     rewriter.visit(tree)
     if not rewriter.changed:
         return False

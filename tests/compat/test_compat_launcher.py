@@ -60,7 +60,9 @@ def test_options_before_the_target_are_ours_the_rest_its() -> None:
     assert parse_args(["--redirect", "a,b", "--redirect=c", "-m", "a.train", "--redirect", "x"]) == Launch(
         ("a", "b", "c"), "a.train", True, ("--redirect", "x")
     )
-    assert parse_args(["--redirect", "a", "train.py", "-m", "x"]) == Launch(("a",), "train.py", False, ("-m", "x"))
+    assert parse_args(["--redirect", "a", "--keep-torch=t.x,t.y", "train.py", "-m", "x"]) == Launch(
+        ("a",), "train.py", False, ("-m", "x"), keep_torch=("t.x", "t.y")
+    )
     with pytest.raises(SystemExit, match="no module"):
         parse_args(["--redirect", "a"])
 

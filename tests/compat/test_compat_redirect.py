@@ -224,3 +224,28 @@ def test_a_name_spmd_lacks_fails_naming_it_and_where_it_was_looked_for(third_par
         r"\(spmd.tensor.placement has no '_MaskPartial'\), imported by thirdparty",
     ):
         importlib.import_module(pkg)
+
+
+def test_keep_torch_lets_a_package_import_torch_internals_it_will_not_use(third_party):
+    # torchtitan imports context parallelism's modules whether or not context parallelism is on.
+    attention = "torch.distributed.tensor.experimental._attention"
+    pkg = third_party(
+        {
+            "__init__.py": """
+                import torch.distributed.tensor.experimental._attention as attention
+                from torch.distributed.tensor import DTensor
+                from torch.distributed.tensor.experimental import _attention, local_map
+                """
+        },
+        redirect=False,
+    )
+    spmd.compat.redirect(pkg, keep_torch=[attention])
+    module = importlib.import_module(pkg)
+    assert module.attention is sys.modules[attention] and module._attention is sys.modules[attention]
+    assert module.DTensor is spmd.tensor.DTensor
+    assert module.local_map is spmd.tensor.experimental.local_map
+
+
+def test_keep_torch_takes_only_modules_the_redirect_changes(third_party):
+    with pytest.raises(RedirectError, match="'torch.nn': not a torch DTensor module"):
+        spmd.compat.redirect("anything", keep_torch=["torch.nn"])
