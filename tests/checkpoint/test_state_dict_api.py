@@ -255,6 +255,34 @@ def test_full_optimizer_state_resumes_training_like_one_device(form: str) -> Non
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses))
 
 
+def test_optimizers_of_two_stages_share_one_flattened_state_dict() -> None:
+    """As torchtitan saves pipeline stages: one optimizer per part, their flattened state_dicts
+    merged into one; each optimizer then loads its own entries back from the merged one."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    full_flat = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+
+    def save_then_load() -> tuple[dict[str, Any], dict[str, Any]]:
+        model = tensor_parallel(MLP(seed=0), init_device_mesh("cpu", (2,)))
+        stages = [torch.optim.AdamW(model.up.parameters(), lr=0.01), torch.optim.SGD(model.down.parameters(), lr=0.1)]
+        train(model, stages[0], range(2))
+        merged = {
+            key: value
+            for stage in stages
+            for key, value in get_optimizer_state_dict(model, stage, options=flat).items()
+        }
+        fresh = [torch.optim.AdamW(model.up.parameters(), lr=0.5), torch.optim.SGD(model.down.parameters(), lr=0.5)]
+        for stage in fresh:
+            set_optimizer_state_dict(model, stage, merged, options=flat)
+        return get_optimizer_state_dict(model, stages, options=full_flat), get_optimizer_state_dict(
+            model, fresh, options=full_flat
+        )
+
+    saved, loaded = run_threaded(save_then_load, 2)[0]
+    assert saved["param_groups.up.weight.lr"] == 0.01 and saved["param_groups.down.weight.lr"] == 0.1
+    assert "state.up.weight.exp_avg" in saved
+    assert_same_tensors(loaded, saved)
+
+
 # ----- DCP ----------------------------------------------------------------------------------------
 def test_dcp_round_trip_onto_another_mesh(tmp_path: Path) -> None:
     """Saved tensor-parallel over 4 ranks (optimizer flattened, as torchtitan saves it), loaded over
