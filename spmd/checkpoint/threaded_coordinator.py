@@ -69,9 +69,7 @@ def _on_coordinator(comm: Communicator, step: str, fn: Callable[[], T]) -> T:
     return _run_step(comm, step, fn if is_coordinator else lambda: None)[COORDINATOR]  # type: ignore[return-value]
 
 
-def save_over(
-    comm: Communicator, state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner
-) -> Metadata:
+def save_over(comm: Communicator, state_dict: dict[str, Any], writer: StorageWriter, planner: SavePlanner) -> Metadata:
     """Save ``state_dict`` as ``dcp.save`` would, coordinating the ranks of ``comm``.
 
     Every rank of ``comm`` calls this with its own ``writer`` and ``planner`` instances.
