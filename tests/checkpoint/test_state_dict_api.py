@@ -349,6 +349,25 @@ def test_compile_and_checkpoint_wrapper_prefixes_are_removed() -> None:
     assert loaded.missing_keys == [] and loaded.unexpected_keys == []
 
 
+class FSDP1Style(nn.Module):
+    """Holds the module it wraps as ``_fsdp_wrapped_module``, as FSDP1's wrapper does."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._fsdp_wrapped_module = inner
+
+
+def test_fsdp1_wrapper_prefix_is_removed() -> None:
+    model = MLP(seed=0)
+    model.down = FSDP1Style(model.down)  # type: ignore[assignment]
+    assert "down._fsdp_wrapped_module.weight" in model.state_dict()
+    assert list(get_model_state_dict(model)) == NAMES
+    other = MLP(seed=1)
+    result = set_model_state_dict(model, other.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    torch.testing.assert_close(model.down._fsdp_wrapped_module.weight, other.down.weight)
+
+
 # ----- against torch's DTensor, on gloo processes -------------------------------------------------
 def torch_and_spmd_side_by_side() -> dict[str, Any]:
     """The MLP tensor-parallel twice in one gloo process group: with torch's DTensor (torch's own
@@ -367,9 +386,12 @@ def torch_and_spmd_side_by_side() -> dict[str, Any]:
     for model, optimizer in ((torch_model, torch_optimizer), (spmd_model, spmd_optimizer)):
         train(model, optimizer, range(2))
     full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
     result = {
         "torch": torch_dsd.get_state_dict(torch_model, torch_optimizer, options=full),
         "spmd": get_state_dict(spmd_model, spmd_optimizer, options=full),
+        "torch_offloaded": torch_dsd.get_model_state_dict(torch_model, options=offload),
+        "spmd_offloaded": get_model_state_dict(spmd_model, options=offload),
     }
     broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     for model, set_model in ((torch_model, torch_dsd.set_model_state_dict), (spmd_model, set_model_state_dict)):
@@ -390,3 +412,4 @@ def test_same_state_dicts_as_torchs_dtensor_on_gloo() -> None:
         assert_same_tensors(spmd_model_state, torch_model_state)
         assert_same_tensors(spmd_optim_state, torch_optim_state)
         assert_same_tensors(rank["spmd_blocks"], rank["torch_blocks"])
+        assert_same_tensors(rank["spmd_offloaded"], rank["torch_offloaded"])  # rank 1: {} for both
