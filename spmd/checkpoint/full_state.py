@@ -79,7 +79,7 @@ def distribute_like(value: Any, target: Any, *, owned: bool = False) -> Any:
             return laid_out
         local = laid_out.to_local().clone()
         return DTensor.from_local(
-            local, target.device_mesh, target.placements, shape=target.shape, stride=target.stride()
+            local, target.device_mesh, target.placements, shape=laid_out.shape, stride=laid_out.stride()
         )
     if isinstance(target, torch.Tensor) and not target.is_meta:
         return value.detach().to(target.device, copy=owned)
@@ -110,7 +110,7 @@ def broadcast_from_rank0(source: Callable[[], Any], target_of: Callable[[Path], 
 
     Only rank 0 calls ``source``; its structure and plain values reach the others in one object
     collective, then each tensor in one broadcast, cut into its target's layout as it arrives
-    (so no rank holds more than one full tensor at a time). If ``source`` raises on rank 0, every
+    (with ``owned``, no rank holds more than one full tensor at a time). If ``source`` raises on rank 0, every
     rank raises ``ValueError`` with its message.
     """
     rank = world_rank()

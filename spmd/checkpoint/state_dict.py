@@ -263,8 +263,9 @@ def _load_model_state(model: nn.Module, given: dict[str, Any], options: StateDic
     key_of = canonical_keys(model, own, options.dsd_fqn_modifiers)
     target_of = {name: own[key] for name, key in key_of.items()}
     if options.broadcast_from_rank0:
+        # owned: each block is copied out of the broadcast buffer, which is then freed
         given = broadcast_from_rank0(
-            lambda: _by_canonical_name(model, given, options), lambda path: target_of.get(path[0])
+            lambda: _by_canonical_name(model, given, options), lambda path: target_of.get(path[0]), owned=True
         )
     else:
         given = _by_canonical_name(model, given, options)
