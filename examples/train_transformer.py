@@ -224,8 +224,8 @@ def replicate_over_dp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 def apply_fsdp(model: GPT, mesh: DeviceMesh) -> GPT:
     """ZeRO-3 over dp: each block, then the root (embeddings, final norm, head), as torchtitan does."""
     for block in model.layers:
-        fully_shard(block, mesh)
-    fully_shard(model, mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -1,83 +1,181 @@
-"""fully_shard: ZeRO-3 data parallelism for one module, applied per block and then to the root."""
+"""fully_shard: ZeRO-3 data parallelism for a module (or a group of modules), applied per block then to the root."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, overload
+
+import torch
 from torch import nn
 
-from spmd.fsdp.layout import ShardedParameter, resolve_dp_mesh_dim, shard_parameter
+from spmd.fsdp.layout import ShardedParameter, ShardPlacementFn, resolve_dp_mesh_dim, shard_parameter
+from spmd.fsdp.module import _STATE_ATTR, FSDPModule, as_fsdp_module, fully_shard_state
+from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FullyShardState
-from spmd.tensor import DeviceMesh
+from spmd.tensor import DeviceMesh, init_device_mesh
+from spmd.tensor.comm import current_world
 
 __all__ = ["fully_shard", "fully_shard_state"]
 
-_STATE_ATTR = "_spmd_fully_shard_state"
+_FULL_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
 
 
+@overload
+def fully_shard(module: nn.Module, *args: Any, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], *args: Any, **kwargs: Any) -> list[FSDPModule]: ...
 def fully_shard(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    reshard_after_forward: bool = True,
+    module: nn.Module | list[nn.Module],
+    *args: Any,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = _FULL_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     dp_mesh_dim: int | str | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters over the dp mesh dim; gather them for its forward and backward only.
+) -> Any:
+    """Shard the parameters of ``module`` over the data-parallel mesh; gather them for its forward and backward.
 
-    The module owns every parameter under it that no fully_shard'ed submodule owns, so apply it to
-    the blocks first and then to the root, which takes what is left (embeddings, final norm, head):
+    torch's ``torch.distributed.fsdp.fully_shard``, same arguments. The module owns every parameter
+    under it that no fully_shard'ed submodule owns, so apply it to the blocks first and then to the
+    root, which takes what is left (embeddings, final norm, head). Two layouts (``spmd.fsdp.layout``):
 
+    >>> parallelize_module(model, world["tp"], plan)  # FSDP2's (torchtitan's)  # doctest: +SKIP
     >>> for block in model.layers:  # doctest: +SKIP
-    ...     fully_shard(block, mesh)
-    >>> fully_shard(model, mesh)  # doctest: +SKIP
+    ...     fully_shard(block, mesh=world["dp"])  # each rank feeds its own plain batch
+    >>> fully_shard(model, mesh=world["dp"])  # doctest: +SKIP
 
-    Each parameter becomes an ``nn.Parameter`` DTensor, ``Shard(k)`` over dp (see
-    ``spmd.fsdp.layout`` for ``k``) and laid out as before on the other mesh dims: a plain tensor is
-    Replicate() there, a DTensor from ``parallelize_module(model, mesh, plan)`` on the same n-d mesh
-    keeps its tp layout. Gradients come back laid out like the parameters, so the optimizer (built
-    after fully_shard) steps on shards. Inputs carry the batch as DTensors sharded over dp
-    (``distribute_tensor(batch, mesh, [Shard(0), ...])``); the loss is then the global one.
+    or, spmd's, tensor parallelism on the n-d mesh itself and the batch a DTensor sharded over dp
+    (``fully_shard(block, mesh=world)``; the global loss). The module's class becomes a subclass of
+    ``FSDPModule`` (``unshard``, ``set_requires_gradient_sync``, ...). A list of modules is sharded
+    as one group: each of their forwards gathers all of the group's parameters in one all_gather.
 
-    ``dp_mesh_dim`` (name or index) is the data-parallel dim; None: the only dim of a 1-d mesh, else
-    the dim named ``"dp"``. With ``reshard_after_forward=False`` the gathered parameters stay from
-    forward to backward (one all_gather fewer per step, more memory); the root (the module no
-    fully_shard'ed ancestor owns) always keeps them, as backward starts with its last layers.
+    ``mesh`` (None: a 1-d mesh over the world) is the dp mesh, or an n-d mesh whose dp dim
+    ``dp_mesh_dims=DataParallelMeshDims(shard=name)`` or ``dp_mesh_dim`` (name or index; spmd's)
+    names, by default the dim called ``"dp"``. ``reshard_after_forward`` (None: True except on
+    the root) frees the gathered parameters after forward (gathered again for backward).
+    ``shard_placement_fn(param)`` may return ``Shard(k)`` to cut dim ``k``. ``mp_policy`` sets the
+    gathered and reduce dtypes. ``ignored_params`` stay as they are, unmanaged.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if args:
+        raise TypeError(
+            f"fully_shard takes the module and keyword arguments only, as torch's FSDP2 does; got "
+            f"{len(args)} positional argument(s) after it: pass the mesh as fully_shard(module, mesh=mesh)"
+        )
+    modules = _as_module_list(module)
+    mesh = _default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard needs a DeviceMesh, got {type(mesh).__name__}")
-    if fully_shard_state(module) is not None:
-        raise RuntimeError(f"fully_shard was already called on this {type(module).__name__}; call it once per module")
-    dp = resolve_dp_mesh_dim(mesh, dp_mesh_dim)
-    params = _shard_owned_parameters(module, mesh, dp)
-    state = FullyShardState(mesh, dp, params, reshard_after_forward=reshard_after_forward)
-    module.register_forward_pre_hook(state.before_forward)
-    module.register_forward_hook(state.after_forward, always_call=True)  # un-shadow even if forward raises
-    setattr(module, _STATE_ATTR, state)
+        raise TypeError(f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}")
+    dp = resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
+    _check_policies(reshard_after_forward, mp_policy, offload_policy, mesh)
+    for m in modules:
+        if fully_shard_state(m) is not None:
+            raise RuntimeError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
+    ignored = {id(p) for p in ignored_params or ()}
+    originals = {
+        (id(m), name): (m, name, p) for root in modules for m in root.modules() for name, p in m._parameters.items()
+    }
+    try:
+        params = _shard_owned_parameters(modules, mesh, dp, ignored, shard_placement_fn)
+    except Exception:
+        for m, name, param in originals.values():  # bad input leaves the module as it was
+            m._parameters[name] = param
+        raise
+    dp_mesh = mesh if mesh.ndim == 1 else _dp_sub_mesh(mesh, dp)
+    reshard = None if reshard_after_forward is None else bool(reshard_after_forward)
+    state = FullyShardState(mesh, dp_mesh, params, reshard_after_forward=reshard, mp_policy=mp_policy)
+    for m in modules:
+        m.register_forward_pre_hook(state.before_forward, with_kwargs=True)
+        # with_kwargs and always_call: un-shadow even if forward raises
+        m.register_forward_hook(state.after_forward, with_kwargs=True, always_call=True)
+        setattr(m, _STATE_ATTR, state)
+        as_fsdp_module(m)
     return module
 
 
-def fully_shard_state(module: nn.Module) -> FullyShardState | None:
-    """The state ``fully_shard`` attached to ``module`` (its managed parameters), or None."""
-    state = module.__dict__.get(_STATE_ATTR)
-    return state if isinstance(state, FullyShardState) else None
+def _as_module_list(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(module, nn.Module):
+        return [module]
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("fully_shard got the same module twice in its list; list each module once")
+        return list(module)
+    raise TypeError(f"fully_shard takes an nn.Module or a non-empty list of them, got {type(module).__name__}")
 
 
-def _shard_owned_parameters(module: nn.Module, mesh: DeviceMesh, dp: int) -> list[ShardedParameter]:
-    """Shard the parameters of ``module``'s subtree outside fully_shard'ed submodules, in module order."""
+def _default_mesh() -> DeviceMesh:
+    """FSDP2's default: a 1-d mesh over every rank of the world."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (current_world(device).size,))
+
+
+def _dp_dim_name(dims: DataParallelMeshDims | None, dp_mesh_dim: int | str | None) -> int | str | None:
+    if dims is None:
+        return dp_mesh_dim
+    if dp_mesh_dim is not None:
+        raise ValueError("fully_shard takes dp_mesh_dims= or spmd's dp_mesh_dim=, not both")
+    if dims.replicate is not None:
+        raise NotImplementedError(
+            "fully_shard: HSDP (DataParallelMeshDims(replicate=...)) is not supported by spmd; shard over one dp dim"
+        )
+    if not isinstance(dims.shard, str):
+        raise NotImplementedError(
+            f"fully_shard: DataParallelMeshDims(shard={dims.shard!r}) names several dims; spmd shards over one "
+            'named dim (flatten them first: mesh[names]._flatten("dp"))'
+        )
+    return dims.shard
+
+
+def _check_policies(
+    reshard_after_forward: bool | int | None, mp_policy: object, offload_policy: object, mesh: DeviceMesh
+) -> None:
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward!r} (resharding to a smaller mesh) is not "
+            "supported by spmd; pass True, False or None"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy takes a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy takes an OffloadPolicy, got {type(offload_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            "fully_shard: CPUOffloadPolicy on an accelerator mesh is not supported by spmd; drop offload_policy="
+        )
+
+
+def _dp_sub_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"fully_shard on the {mesh.ndim}-d {mesh} needs named mesh dims (mesh_dim_names=...)")
+    return mesh[names[dp]]
+
+
+def _shard_owned_parameters(
+    modules: Sequence[nn.Module], mesh: DeviceMesh, dp: int, ignored: set[int], placement_fn: ShardPlacementFn | None
+) -> list[ShardedParameter]:
+    """Shard the parameters of the modules' subtrees outside fully_shard'ed submodules, in module order."""
     owned: list[ShardedParameter] = []
     by_id: dict[int, ShardedParameter] = {}  # a parameter shared by two submodules (tied) is sharded once
-    pending: list[nn.Module] = [module]
+    pending: list[nn.Module] = list(modules)
+    visited: set[int] = set()
     while pending:
         current = pending.pop(0)
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
         for name, param in list(current._parameters.items()):
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             first = by_id.get(id(param))
             if first is not None:  # gathered for each place that uses it
                 current.register_parameter(name, first.parameter)
-                owned.append(ShardedParameter(current, name, first.parameter, first.gathered_placements))
+                owned.append(first.alias(current, name))
                 continue
-            sharded = shard_parameter(current, name, param, mesh, dp)
+            sharded = shard_parameter(current, name, param, mesh, dp, placement_fn)
             by_id[id(param)] = sharded
             owned.append(sharded)
         for child in current.children():

@@ -1,28 +1,66 @@
-"""Where a parameter's shards live under fully_shard: which tensor dim the dp mesh dim cuts.
+"""Where a parameter's shards live under fully_shard, and what forward computes with once gathered.
 
-The dp mesh dim shards a parameter on ``Shard(k)`` with ``k`` the first tensor dim that no other
-mesh dim shards (0 for a plain or a row-wise tp parameter; 1 for a column-wise tp weight, whose
-dim 0 tp already cuts) and that has at least one row per dp rank. Un-sharding over dp is then one
-plain all_gather on the dp group, never a reshuffle across the tp shards. A parameter with no such
-dim (a 0-d scalar, a tp-sharded bias) stays ``Replicate()`` over dp; its gradient is all-reduced.
+Two layouts, told apart by the mesh the parameter already lives on:
+
+  same mesh (spmd's)   ``parallelize_module(model, mesh, plan)`` on the n-d mesh, then
+                       ``fully_shard(block, mesh=mesh)``: the parameter stays on that mesh, Replicate()
+                       over dp becomes ``Shard(k)`` with ``k`` the first tensor dim no other mesh dim
+                       cuts and long enough for every dp rank (so un-sharding is one plain
+                       all_gather); no such dim (a scalar, a tp-sharded bias): it stays whole over
+                       dp. The gathered copy is that DTensor with Replicate() over dp, inputs are
+                       DTensors sharded over dp and the loss is the global one, so gradients are
+                       summed over dp.
+  sibling sub-meshes   torchtitan's: ``parallelize_module(model, world["tp"], plan)`` then
+  (FSDP2's)            ``fully_shard(block, mesh=world["dp"])``. The sharded parameter is a DTensor on
+                       the root mesh over both dims: ``Shard(0)`` over dp (``_StridedShard(0)`` when a
+                       later mesh dim also cuts dim 0, as torch lays it out), tp kept. The gathered copy
+                       is the DTensor on the tp sub-mesh; each rank's batch is its own plain tensor,
+                       so each dp rank's gradient is its contribution: summed, then divided by the
+                       gradient divide factor (dp size: the mean, as FSDP2 does).
+
+A plain parameter on a 1-d mesh is cut the spmd way; its gathered copy is a plain tensor, or a
+DTensor Replicate() over the mesh when the module's inputs are DTensors on it (the global loss).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from spmd.tensor.placement import _is_shard_like
+from spmd.tensor.placement import _is_shard_like, _StridedShard, shard_sizes
 
-__all__ = ["DP_MESH_DIM_NAME", "ShardedParameter", "resolve_dp_mesh_dim", "dp_shard_dim", "shard_parameter"]
+__all__ = [
+    "DP_MESH_DIM_NAME",
+    "GatheredLayout",
+    "ShardPlacementFn",
+    "ShardedParameter",
+    "dp_shard_dim",
+    "resolve_dp_mesh_dim",
+    "shard_parameter",
+]
 
 DP_MESH_DIM_NAME = "dp"
 """The mesh dim name fully_shard shards over on an n-d mesh, by default."""
 _MANAGED_ATTR = "_spmd_fully_shard_managed"
 """Set on the parameters fully_shard made, so that a second call on a submodule is caught."""
+
+ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+
+
+@dataclass(frozen=True, slots=True)
+class GatheredLayout:
+    """The DTensor a gathered copy is: its mesh, placements and global shape and stride."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dp: int | None
+    """The dp dim's index in ``mesh`` (same-mesh layout), None when dp is not one of its dims."""
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -35,13 +73,29 @@ class ShardedParameter:
     """Its attribute name on ``module``."""
     parameter: nn.Parameter
     """The sharded DTensor parameter: what the optimizer steps on."""
-    gathered_placements: tuple[Placement, ...]
-    """Its placements with the dp dim Replicate(): the layout forward and backward compute with."""
+    dp: int
+    """The dp dim's index in the parameter's mesh."""
+    dim: int | None
+    """The dim of this rank's local tensor that dp cuts; None: the parameter is whole over dp."""
+    gathered_shape: tuple[int, ...]
+    """This rank's local shape once gathered over dp."""
+    gathered: GatheredLayout | None
+    """The gathered copy's DTensor layout; None: a plain tensor (1-d FSDP of a plain parameter)."""
+    global_loss: bool | None
+    """True: the gathered copy is a DTensor over dp (same-mesh layout), and gradients are sums of each dp
+    rank's part of the global loss; False: each rank's own loss (FSDP2's); None: decided per call, by
+    whether the module's inputs are DTensors on the mesh (a plain parameter on a 1-d mesh)."""
 
     @property
     def is_sharded(self) -> bool:
-        """False for a parameter kept Replicate() over dp (nothing to gather)."""
-        return self.gathered_placements != tuple(self.parameter.placements)  # type: ignore[attr-defined]
+        """False for a parameter kept whole over dp (nothing to gather; its gradient is all-reduced)."""
+        return self.dim is not None
+
+    def alias(self, module: nn.Module, name: str) -> ShardedParameter:
+        """The same parameter registered a second time (a tied weight)."""
+        return ShardedParameter(
+            module, name, self.parameter, self.dp, self.dim, self.gathered_shape, self.gathered, self.global_loss
+        )
 
 
 def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
@@ -63,7 +117,7 @@ def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
 
 
 def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, dp_size: int) -> int | None:
-    """The tensor dim the dp mesh dim shards (see the module docstring), or None to replicate over dp."""
+    """The tensor dim the dp mesh dim shards in the same-mesh layout, or None to keep it whole over dp."""
     if dp_size == 1:
         return None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
     taken = {p.dim for d, p in enumerate(placements) if d != dp and _is_shard_like(p)}  # _StridedShard too
@@ -74,47 +128,142 @@ def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, 
 
 
 def shard_parameter(
-    module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh, dp: int
+    module: nn.Module,
+    name: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    dp: int,
+    shard_placement_fn: ShardPlacementFn | None = None,
 ) -> ShardedParameter:
-    """Replace ``module.<name>`` by a DTensor parameter sharded over dp; the other mesh dims keep their layout.
-
-    A plain tensor is cut locally (every rank must hold the same values, as after a seeded init); a
-    DTensor must already live on ``mesh`` (``parallelize_module(model, mesh, plan)`` on the same
-    n-d mesh, not on its tp sub-mesh) and be Replicate() over dp.
-    """
+    """Replace ``module.<name>`` by a DTensor parameter sharded over dp, in the layout its mesh calls for."""
     where = f"{type(module).__name__}.{name}"
     if getattr(param, _MANAGED_ATTR, False):
         raise ValueError(
-            f"fully_shard: parameter {where} is already managed by a fully_shard call on a parent; call "
-            "fully_shard once per module, on the submodules (blocks) before their parent"
+            f"fully_shard: parameter {where} is already sharded by a fully_shard call (on a parent, or on a "
+            "list holding this module); call fully_shard once per module, on the submodules (blocks) "
+            "before their parent, or leave it out with ignored_params="
         )
+    requested = _requested_dim(shard_placement_fn, param, where)
+    if isinstance(param, DTensor) and param.device_mesh != mesh:
+        sharded = _shard_on_sibling_mesh(module, name, param, mesh, where, requested)
+    else:
+        sharded = _shard_on_same_mesh(module, name, param, mesh, dp, where, requested)
+    setattr(sharded.parameter, _MANAGED_ATTR, True)
+    module.register_parameter(name, sharded.parameter)
+    return sharded
+
+
+def _requested_dim(fn: ShardPlacementFn | None, param: nn.Parameter, where: str) -> int | None:
+    if fn is None:
+        return None
+    placement = fn(param)
+    if placement is None:
+        return None
+    if type(placement) is not Shard:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {where}; return a Shard or None")
+    ndim = param.ndim
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement} for the {ndim}-d {where}")
+    return placement.dim % ndim
+
+
+def _check_placements(placements: tuple[Placement, ...], where: str) -> None:
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(f"fully_shard: parameter {where} is laid out {placements}; a parameter cannot be Partial")
+
+
+def _shard_on_same_mesh(
+    module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh, dp: int, where: str, requested: int | None
+) -> ShardedParameter:
+    """spmd's layout: the parameter (plain, or a DTensor on ``mesh``) stays on ``mesh``, cut over dp."""
     if isinstance(param, DTensor):
-        if param.device_mesh != mesh:
-            raise ValueError(
-                f"fully_shard: parameter {where} is a DTensor on {param.device_mesh}, not on {mesh}; "
-                "tensor-parallelise on the same mesh (parallelize_module(model, mesh, plan) with the n-d "
-                'mesh, not mesh["tp"]) before fully_shard'
-            )
         placements = tuple(param.placements)
-        if any(isinstance(p, Partial) for p in placements):
-            raise ValueError(f"fully_shard: parameter {where} is laid out {placements}; a parameter cannot be Partial")
+        _check_placements(placements, where)
         if not isinstance(placements[dp], Replicate):
             raise ValueError(
-                f"fully_shard: parameter {where} is already {placements[dp]} over the dp mesh dim; call "
-                "fully_shard once per module, on the submodules (blocks) before their parent"
+                f"fully_shard: parameter {where} is {placements[dp]} over the dp mesh dim of {mesh}; fully_shard "
+                'needs it Replicate() there: tensor-parallelise over another mesh dim (the "tp" one)'
             )
     else:
         placements = tuple(Replicate() for _ in range(mesh.ndim))
-    k = dp_shard_dim(param.shape, placements, dp, mesh.size(dp))
+    if requested is not None:
+        taken = {p.dim for d, p in enumerate(placements) if d != dp and _is_shard_like(p)}
+        if requested in taken:
+            raise ValueError(
+                f"fully_shard: shard_placement_fn asks dp to cut dim {requested} of {where}, which another "
+                f"mesh dim of {placements} already cuts; pick another dim, or tensor-parallelise on the tp "
+                'sub-mesh (parallelize_module(model, mesh["tp"], plan)) and pass fully_shard mesh=mesh["dp"]'
+            )
+    if mesh.size(dp) == 1:
+        k = None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
+    elif requested is not None:
+        k = requested
+    else:
+        k = dp_shard_dim(param.shape, placements, dp, mesh.size(dp))
     sharded_placements = tuple(Shard(k) if d == dp and k is not None else p for d, p in enumerate(placements))
     with torch.no_grad():
         detached = param.detach()
         if isinstance(detached, DTensor):
             local = detached.redistribute(mesh, sharded_placements)  # R -> S(k): a local cut, no traffic
+            gathered_shape = tuple(detached._local_tensor.shape)
         else:
-            local = distribute_tensor(param.detach(), mesh, sharded_placements, src_data_rank=None)
-    # Kept whole over dp (k is None), its gradient is reduced there by FullyShardState in backward.
+            local = distribute_tensor(detached, mesh, sharded_placements, src_data_rank=None)
+            gathered_shape = tuple(detached.shape)
+    # A plain parameter on a 1-d mesh may be gathered as a plain tensor (see the module docstring).
+    gathered = GatheredLayout(mesh, placements, tuple(param.shape), tuple(param.stride()), dp)
     sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-    setattr(sharded, _MANAGED_ATTR, True)
-    module.register_parameter(name, sharded)
-    return ShardedParameter(module, name, sharded, placements)
+    global_loss = True if isinstance(param, DTensor) or mesh.ndim > 1 else None
+    return ShardedParameter(module, name, sharded, dp, k, gathered_shape, gathered, global_loss)
+
+
+def _shard_on_sibling_mesh(
+    module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, where: str, requested: int | None
+) -> ShardedParameter:
+    """FSDP2's layout: a DTensor on the tp sub-mesh becomes a DTensor on the root mesh, cut over dp too."""
+    tp_mesh = param.device_mesh
+    root = mesh._get_root_mesh()
+    fix = (
+        'tensor-parallelise on a sub-mesh of the same mesh as fully_shard\'s (parallelize_module(model, world["tp"], '
+        'plan), fully_shard(block, mesh=world["dp"])), or on the n-d mesh itself (fully_shard(block, mesh=world))'
+    )
+    if mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root == mesh:
+        raise ValueError(f"fully_shard: parameter {where} is a DTensor on {tp_mesh}, not on {mesh}; {fix}")
+    root_names = root.mesh_dim_names or ()
+    dp_names, tp_names = mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
+    if not {*dp_names, *tp_names} <= set(root_names) or set(dp_names) & set(tp_names):
+        raise ValueError(
+            f"fully_shard: parameter {where} lives on {tp_mesh}, which overlaps or flattens fully_shard's mesh "
+            f"{mesh}; {fix}"
+        )
+    dp_root = root_names.index(dp_names[0])
+    tp_root_dims = [root_names.index(name) for name in tp_names]
+    placements = tuple(param.placements)
+    _check_placements(placements, where)
+    if param.ndim == 0:
+        raise ValueError(
+            f"fully_shard: the 0-d DTensor parameter {where} cannot be sharded over dp; pass it in ignored_params="
+        )
+    k = requested if requested is not None else 0
+    by_root: dict[int, Placement] = dict(zip(tp_root_dims, placements))
+    order = sorted([dp_root, *tp_root_dims])
+    split = 1  # the later mesh dims cutting dim k: dp cuts right to left then (torch's _StridedShard)
+    for d in order:
+        p = by_root.get(d)
+        if d > dp_root and p is not None and _is_shard_like(p) and p.dim == k:
+            split *= root.size(d)
+    dp_placement: Placement = _StridedShard(k, split_factor=split) if split > 1 else Shard(k)
+    full_mesh = root if len(order) == root.ndim else root[tuple(root_names[d] for d in order)]
+    full_placements = tuple(dp_placement if d == dp_root else by_root[d] for d in order)
+    n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
+    with torch.no_grad():
+        gathered_local = param._local_tensor
+        sizes = shard_sizes(gathered_local.size(k), n)
+        piece = gathered_local.narrow(k, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
+        sharded_local = DTensor.from_local(
+            piece, full_mesh, full_placements, shape=tuple(param.shape), stride=tuple(param.stride())
+        )
+    gathered = GatheredLayout(tp_mesh, placements, tuple(param.shape), tuple(param.stride()), None)
+    sharded = nn.Parameter(sharded_local, requires_grad=param.requires_grad)
+    return ShardedParameter(
+        module, name, sharded, order.index(dp_root), k, tuple(gathered_local.shape), gathered, False
+    )

@@ -1,21 +1,20 @@
-"""The forward/backward life of one fully_shard'ed module's parameters.
+"""The forward/backward life of one fully_shard call's parameters.
 
-  before forward   all-gather the module's sharded parameters over dp, one all_gather per dtype
-                   (``spmd.fsdp.flat``, autograd-tracked), and let each gathered DTensor shadow the
+  before forward   all-gather the group's sharded parameters over dp, one all_gather per dtype
+                   (``spmd.fsdp.flat``, autograd-tracked), and let each gathered copy shadow the
                    registered shard, so the module's unchanged code computes with it
   after forward    un-shadow; with ``reshard_after_forward`` free the gathered storage
                    (``untyped_storage().resize_(0)``: autograd's saved copies share it), except on
                    the root (no fully_shard'ed ancestor), whose backward starts right away
-  before backward  all-gather again into the same storage (an identity autograd node on the
-                   module's outputs runs first in backward), then drop our references so that
-                   autograd frees each copy once the last node that saved it has run
-  backward         the gathered copies' gradients, Partial(sum) over dp, are reduce-scattered in
-                   one collective per dtype back to the shards, so ``.grad`` is laid out like the
+  before backward  an identity autograd node on the module's outputs runs first in backward: it
+                   all-gathers again into the same storage and shadows the parameters again until
+                   the group's backward has run, so that activation checkpointing's recompute
+                   computes with the gathered copies (not the shards)
+  backward         the gathered copies' gradients (each dp rank's contribution) are reduce-scattered
+                   in one collective per dtype back to the shards, so ``.grad`` is laid out like the
                    parameter
-  kept whole       a parameter kept Replicate() over dp (no dim to cut) is shadowed in forward
-                   by an identity whose backward all-reduces its gradient over dp. Not a tensor
-                   hook on the parameter: pickle and deepcopy drop those, and a copied module
-                   would leave the gradient Partial(sum)
+  recompute        a forward run inside backward (activation checkpointing) reuses the copies shadowed
+                   for backward, or gathers without freeing
 
 The hooks on the module are bound methods of this state, which holds only the mesh, the parameters
 and their modules, so a fully_shard'ed module pickles and deep-copies (outside forward).
@@ -32,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from spmd.fsdp.flat import FlatGroup, flat_groups
+from spmd.fsdp.flat import FlatGroup, GradSync, ReduceOptions, flat_groups, local_shard
 from spmd.fsdp.layout import ShardedParameter
-from spmd.tensor import DeviceMesh, DTensor
+from spmd.fsdp.policy import MixedPrecisionPolicy
+from spmd.tensor import DeviceMesh, DTensor, Partial
 
 __all__ = ["FullyShardState", "add_storage_resize_observer"]
 
@@ -45,99 +45,179 @@ class FullyShardState:
     """The parameters one ``fully_shard`` call manages, and their gathered copies during forward."""
 
     def __init__(
-        self, mesh: DeviceMesh, dp: int, params: Sequence[ShardedParameter], *, reshard_after_forward: bool
+        self,
+        mesh: DeviceMesh,
+        dp_mesh: DeviceMesh,
+        params: Sequence[ShardedParameter],
+        *,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.mesh = mesh
+        self.dp_mesh = dp_mesh
         self.params = tuple(params)
-        self.groups = tuple(flat_groups(self.params, mesh, dp))
+        self.groups = tuple(flat_groups(self.params, dp_mesh, mp_policy.param_dtype))
         self.reshard_after_forward = reshard_after_forward
+        """None: True except on the root, as in FSDP2."""
+        self.mp_policy = mp_policy
         self.is_root = True
         """False once a fully_shard'ed ancestor claims this module (fully_shard is applied bottom-up)."""
-        self._gathered: dict[int, DTensor] = {}
+        self.sync = GradSync()
+        self.divide_factor: float | None = None
+        """None: dp size for per-rank losses, 1 for the global loss of DTensor inputs."""
+        self.reshard_after_backward = True
+        self.force_sum_reduction = False
+        self.is_last_backward = True
+        self._gathered: dict[int, torch.Tensor] = {}
+        self._views: dict[int, torch.Tensor] = {}
+        self._unsharded = False
 
-    def before_forward(self, module: nn.Module, args: Any) -> None:
-        self._gathered = _gather(self.groups)
-        whole = _reduce_grads_over_dp(self.params) if torch.is_grad_enabled() else {}
-        for p in self.params:
-            # the gathered copy (or the reducing identity) shadows the registered shard until after forward
-            key = id(p.parameter)
-            p.module.__dict__[p.name] = self._gathered.get(key, whole.get(key, p.parameter))
+    # ----- forward ------------------------------------------------------------------------------
+    def before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if _in_backward() and self._views:
+            return args, kwargs  # a recompute in backward: the copies shadowed for backward serve it
+        global_loss = self._global_loss(args, kwargs)
+        self._gathered, self._views = self.gather(global_loss=global_loss)
+        self._shadow(self._views)
+        return args, kwargs
 
-    def after_forward(self, module: nn.Module, args: Any, outputs: Any) -> Any:
-        for p in self.params:
-            p.module.__dict__.pop(p.name, None)
-        gathered, self._gathered = self._gathered, {}
+    def after_forward(self, module: nn.Module, args: Any, kwargs: Any, outputs: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            outputs = _cast_floats(outputs, self.mp_policy.output_dtype)
+        if _in_backward():
+            return outputs  # a recompute: the shadows belong to the backward that runs it
+        self._unshadow()
+        gathered, views = self._gathered, self._views
+        self._gathered, self._views = {}, {}
         leaves, spec = tree_flatten(outputs)
         needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not needs_grad or not self.reshard_after_forward or self.is_root:
-            return outputs  # no backward, or the copies stay for it: autograd's saved ones are the only holders
-        freed = _Freed(self.groups, {key: (full, _free(full)) for key, full in gathered.items()})
-        wrapped = _RegatherBeforeBackward.apply(freed, *(leaves[i] for i in needs_grad))  # type: ignore[no-untyped-call]
+        if not needs_grad:
+            return outputs
+        reshard = self.reshard_after_forward if self.reshard_after_forward is not None else not self.is_root
+        copies = {key: (full, _free(full) if reshard else 0) for key, full in gathered.items()}
+        for_backward = _ForBackward(self, self.groups, copies, views)
+        wrapped = _BeforeBackward.apply(for_backward, *(leaves[i] for i in needs_grad))  # type: ignore[no-untyped-call]
         for i, tensor in zip(needs_grad, wrapped):
             leaves[i] = tensor
         return tree_unflatten(leaves, spec)
 
+    # ----- gathering ----------------------------------------------------------------------------
+    def gather(self, *, global_loss: bool) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Every sharded parameter's gathered local tensor and the view forward computes with, by ``id``."""
+        factor = (
+            self.divide_factor
+            if self.divide_factor is not None
+            else (1.0 if global_loss else float(self.dp_mesh.size()))
+        )
+        options = ReduceOptions(self.mp_policy.reduce_dtype, factor, self.sync, self._end_backward)
+        gathered: dict[int, torch.Tensor] = {}
+        views: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            for param, local in zip(group.params, group.gather(options)):
+                key = id(param.parameter)
+                if param.is_sharded:
+                    gathered[key] = local
+                views[key] = _as_gathered(local, param, global_loss)
+        return gathered, views
 
-def _gather(groups: Sequence[FlatGroup]) -> dict[int, DTensor]:
-    """Each sharded parameter's gathered copy, by ``id`` of the parameter."""
-    return {
-        id(piece.param.parameter): full for group in groups for piece, full in zip(group.pieces, group.gather())
-    }
+    def unshard(self) -> None:
+        """Gather now and shadow the shards until ``reshard`` (no autograd: for inspection or a no-grad pass)."""
+        with torch.no_grad():
+            _, views = self.gather(global_loss=self._global_loss((), {}))
+        self._views = views
+        self._shadow(views)
+        self._unsharded = True
+
+    def reshard(self) -> None:
+        """Drop the shadows ``unshard`` set; the registered parameters are the shards again."""
+        if self._unsharded:
+            self._unshadow()
+            self._views, self._unsharded = {}, False
+
+    def _global_loss(self, args: Any, kwargs: Any) -> bool:
+        """Whether forward sees the global loss: a layout that says so, or DTensor inputs on the mesh."""
+        fixed = {p.global_loss for p in self.params if p.global_loss is not None}
+        if fixed:
+            return True in fixed
+        leaves, _ = tree_flatten((args, kwargs))
+        return any(isinstance(t, DTensor) and t.device_mesh == self.mesh for t in leaves)
+
+    def _shadow(self, views: dict[int, torch.Tensor]) -> None:
+        for p in self.params:
+            view = views.get(id(p.parameter))
+            if view is not None:
+                p.module.__dict__[p.name] = view
+
+    def _unshadow(self) -> None:
+        for p in self.params:
+            p.module.__dict__.pop(p.name, None)
+
+    def _end_backward(self) -> None:
+        """The group's backward has run: the registered parameters are the shards again."""
+        if not self._unsharded and self._views:
+            self._unshadow()
+            self._views = {}
 
 
-def _reduce_grads_over_dp(params: Sequence[ShardedParameter]) -> dict[int, DTensor]:
-    """For each parameter kept whole over dp that needs a gradient, its identity that reduces the gradient."""
-    whole: dict[int, DTensor] = {}
-    for p in params:
-        if not p.is_sharded and p.parameter.requires_grad and id(p.parameter) not in whole:
-            whole[id(p.parameter)] = _ReduceGradOverDp.apply(p.parameter)  # type: ignore[no-untyped-call]
-    return whole
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (activation checkpointing's recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
-class _ReduceGradOverDp(torch.autograd.Function):
-    """Identity on a parameter kept whole over dp; backward reduces its gradient to the parameter's layout.
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
-    Each dp rank saw its part of the batch, so the gradient arrives Partial(sum) over dp.
-    """
 
-    @staticmethod
-    def forward(ctx: Any, param: DTensor) -> DTensor:
-        ctx.placements = param.placements
-        return DTensor(param._local_tensor, param._spec, requires_grad=False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> DTensor:
-        return grad.redistribute(placements=ctx.placements)
+def _as_gathered(local: torch.Tensor, param: ShardedParameter, global_loss: bool) -> torch.Tensor:
+    """The gathered local tensor as forward sees it: plain, a DTensor on the tp sub-mesh, or over dp too."""
+    layout = param.gathered
+    if layout is None or (layout.dp is not None and not global_loss):
+        return local
+    if layout.dp is None:  # FSDP2's layout: each rank's own loss, the copy lives on the tp sub-mesh
+        return DTensor.from_local(local, layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride)
+    # The global loss: each dp rank's gradient is its part of the sum, whether it reaches the copy as a
+    # DTensor or through the copy's to_local() (torchtitan's local embedding lookup, re-wrapped).
+    contribution = tuple(Partial() if d == layout.dp else p for d, p in enumerate(layout.placements))
+    copy = DTensor.from_local(
+        local, layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride, grad_placements=contribution
+    )
+    copy._local_grad_placements = contribution
+    return copy
 
 
 @dataclass(frozen=True, slots=True)
-class _Freed:
-    """The gathered copies freed after forward, with their storage sizes, to be refilled before backward."""
+class _ForBackward:
+    """One forward's gathered copies (maybe freed), to refill and shadow again when its backward starts."""
 
+    state: FullyShardState
     groups: tuple[FlatGroup, ...]
-    copies: dict[int, tuple[DTensor, int]]
-    """By ``id`` of the parameter: the copy and its storage size (0: not freed)."""
+    copies: dict[int, tuple[torch.Tensor, int]]
+    """By ``id`` of the parameter: the gathered local tensor and its freed storage size (0: not freed)."""
+    views: dict[int, torch.Tensor]
 
     def regather(self) -> None:
         """Refill the freed copies in place with a fresh all_gather over dp."""
         if not any(nbytes for _, nbytes in self.copies.values()):
             return
         with torch.no_grad():
-            fresh = _gather(self.groups)
-            for key, (full, nbytes) in self.copies.items():
+            fresh: dict[int, torch.Tensor] = {}
+            for group in self.groups:
+                shards = [local_shard(p.parameter) for p in group.params]
+                fresh.update(zip((id(p.parameter) for p in group.params), group.gather_values(shards)))
+            for key, (local, nbytes) in self.copies.items():
                 if nbytes:
-                    local = full.to_local()
                     _resize(local.untyped_storage(), nbytes)
                     # The same values as before the free: a compiled backward saved this very tensor
-                    # (not its DTensor) and checks that its version did not move.
+                    # and checks that its version did not move.
                     with _unsafe_preserve_version_counter(local):
-                        local.copy_(fresh[key].to_local())
+                        local.copy_(fresh[key])
 
 
-def _free(full: DTensor) -> int:
+def _free(local: torch.Tensor) -> int:
     """Free a gathered copy's storage (its own: cut out of the all_gather's result); its size."""
-    with torch.no_grad():
-        storage = full.to_local().untyped_storage()
+    storage = local.untyped_storage()
     nbytes = storage.nbytes()
     _resize(storage, 0)
     return nbytes
@@ -161,16 +241,23 @@ def _resize(storage: torch.UntypedStorage, nbytes: int) -> None:
         observer(storage)
 
 
-class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on the module's outputs whose backward, the first of the module's, re-gathers its parameters."""
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on the module's outputs whose backward, the first of the module's, re-gathers and re-shadows."""
 
     @staticmethod
-    def forward(ctx: Any, freed: _Freed, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.freed = freed
+    def forward(ctx: Any, for_backward: _ForBackward, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.for_backward = for_backward
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.freed.regather()
-        ctx.freed = None  # from here autograd's saved copies are the only holders: freed as backward goes
+        for_backward: _ForBackward | None = ctx.for_backward
+        if for_backward is not None:
+            for_backward.regather()
+            state = for_backward.state
+            state._views = for_backward.views
+            state._shadow(for_backward.views)
+            # the group's backward un-shadows; this catches a group whose backward never runs
+            torch.autograd.Variable._execution_engine.queue_callback(state._end_backward)
+        ctx.for_backward = None  # from here autograd's saved copies are the only holders: freed as backward goes
         return (None, *grads)

@@ -165,8 +165,8 @@ def parallelize_gpt(model: GPT, mesh: DeviceMesh, plan: Plan) -> GPT:
         parallelize_module(model, mesh, tp_plan(sequence_parallel=plan.sequence_parallel))
     if plan.fsdp:
         for block in model.layers:
-            fully_shard(block, mesh)
-        fully_shard(model, mesh)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     else:
         replicate_parameters(model, mesh)
     return model

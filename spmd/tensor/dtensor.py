@@ -46,6 +46,9 @@ class DTensor(torch.Tensor):
     _copied_view: bool
     """A view whose input had to be redistributed first: it aliases a copy, so writes are refused."""
     __slots__ = ["_copied_view", "_local_tensor", "_spec"]
+    _local_grad_placements: tuple[Placement, ...] | None = None
+    """``to_local()``'s default ``grad_placements`` when set on an instance: fully_shard marks the gathered
+    copies it hands a module on a mesh with a dp dim, whose local gradient is each dp rank's contribution."""
 
     # Run Python-level torch functions as plain tensor code; only aten ops reach the dispatcher.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -238,6 +241,8 @@ class DTensor(torch.Tensor):
         """
         if not torch.is_grad_enabled():
             return self._local_tensor
+        if grad_placements is None:
+            grad_placements = self._local_grad_placements
         return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))  # type: ignore[no-untyped-call]
 
     def redistribute(

@@ -119,12 +119,14 @@ TP_PLAN = {
 def shard_model(model: TinyGPT, mesh: DeviceMesh, **options: bool) -> TinyGPT:
     """torchtitan's order: fully_shard each block, then the root (which takes the rest)."""
     for block in model.layers:
-        fully_shard(block, mesh, **options)
-    fully_shard(model, mesh, **options)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> float:
     with loss_parallel():
         loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
         loss.backward()  # type: ignore[no-untyped-call]
@@ -225,10 +227,12 @@ def test_dp_of_one_rank_leaves_the_tp_layout() -> None:
     assert placements["layers.0.attn.q.weight"] == (Replicate(), Shard(0))  # type: ignore[index]
 
 
-def dp_collectives_per_module(reshard_after_forward: bool) -> dict[tuple[str, bool], dict[str, int]]:
+def dp_collectives_per_module(reshard_after_forward: bool | None) -> dict[tuple[str, bool], dict[str, int]]:
     """``{(module, backward): {collective: count}}`` of one step's collectives over the dp groups."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = shard_model(parallelize_module(build_model(), mesh, TP_PLAN), mesh, reshard_after_forward=reshard_after_forward)
+    model = shard_model(
+        parallelize_module(build_model(), mesh, TP_PLAN), mesh, reshard_after_forward=reshard_after_forward
+    )
     tokens, targets = (distribute_tensor(t, mesh, [Shard(0), Replicate()]) for t in batch(0))
     dp_ranks = tuple(mesh["dp"].mesh.flatten().tolist())
     with CommDebugMode() as comm:
@@ -243,21 +247,25 @@ def dp_collectives_per_module(reshard_after_forward: bool) -> dict[tuple[str, bo
     return {key: dict(c) for key, c in counts.items()}
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_after_forward: bool) -> None:
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
+def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_after_forward: bool | None) -> None:
     """Over dp, each block gathers all its parameters with one all_gather before forward (and again
-    before backward when it resharded) and reduce-scatters all their gradients with one reduce_scatter."""
+    before backward when it resharded) and reduce-scatters all their gradients with one reduce_scatter.
+
+    The module's class name reads ``FSDP<Name>``: fully_shard made its class a subclass of FSDPModule."""
     counts = run_threaded(dp_collectives_per_module, 4, reshard_after_forward)[0]
+    blocks_reshard = reshard_after_forward is not False  # None: every module but the root
     for i in range(LAYERS):
-        block = f"TinyGPT.layers.{i}"
+        block = f"FSDPTinyGPT.layers.{i}"
         assert counts[(block, False)] == {"all_gather": 1}
-        regather = {"all_gather": 1} if reshard_after_forward else {}
+        regather = {"all_gather": 1} if blocks_reshard else {}
         # MLP up's bias: tp already cuts its only dim, so it stays whole over dp and is all-reduced
         assert counts[(block, True)] == {**regather, "reduce_scatter": 1, "all_reduce": 1}
-    # the root (embedding, final norm, head) gathers once and keeps its copies for backward
-    assert counts[("TinyGPT", False)] == {"all_gather": LAYERS + 1}
-    regathers = {"all_gather": LAYERS} if reshard_after_forward else {}
-    assert counts[("TinyGPT", True)] == {**regathers, "reduce_scatter": LAYERS + 1, "all_reduce": LAYERS}
+    # the root (embedding, final norm, head) gathers once; by default it keeps its copies for backward
+    assert counts[("FSDPTinyGPT", False)] == {"all_gather": LAYERS + 1}
+    regathers = LAYERS * blocks_reshard + (reshard_after_forward is True)
+    expected_gathers = {"all_gather": regathers} if regathers else {}
+    assert counts[("FSDPTinyGPT", True)] == {**expected_gathers, "reduce_scatter": LAYERS + 1, "all_reduce": LAYERS}
 
 
 def test_gathered_parameters_are_freed_after_forward() -> None:
@@ -327,7 +335,7 @@ def test_uneven_and_small_parameters() -> None:
 
     def run() -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         mesh = init_device_mesh("cpu", (4,))
-        model = fully_shard(copy.deepcopy(reference), mesh)
+        model = fully_shard(copy.deepcopy(reference), mesh=mesh)
         optimizer = make_optimizer(model)
         inputs, targets = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
         for _ in range(2):
@@ -363,7 +371,7 @@ def test_parameters_of_two_dtypes_gather_in_one_buffer_each() -> None:
 
     def run() -> tuple[int, dict[str, torch.Tensor]]:
         mesh = init_device_mesh("cpu", (4,))
-        model = fully_shard(MixedDtypes(), mesh)
+        model = fully_shard(MixedDtypes(), mesh=mesh)
         x = distribute_tensor(x_full, mesh, [Shard(0)])
         with CommDebugMode() as comm:
             model(x).square().sum().backward()
@@ -380,17 +388,19 @@ def test_parameters_of_two_dtypes_gather_in_one_buffer_each() -> None:
 def test_errors_say_what_to_do() -> None:
     def run() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = fully_shard(build_model(), mesh)
+        model = fully_shard(build_model(), mesh=mesh)
         with pytest.raises(RuntimeError, match="already called"):
-            fully_shard(model, mesh)
+            fully_shard(model, mesh=mesh)
         with pytest.raises(ValueError, match=r"submodules \(blocks\) before their parent"):
-            fully_shard(model.layers[0], mesh)
+            fully_shard(model.layers[0], mesh=mesh)
         on_sub_mesh = parallelize_module(build_model(), mesh["tp"], {"lm_head": ColwiseParallel()})
-        with pytest.raises(ValueError, match=r"same mesh .*not mesh\[\"tp\"\]"):
-            fully_shard(on_sub_mesh, mesh)
+        with pytest.raises(ValueError, match=r"parallelize_module\(model, world\[\"tp\"\], plan\)"):
+            fully_shard(on_sub_mesh, mesh=mesh)  # tp on the sub-mesh: pass fully_shard the sibling mesh["dp"]
+        with pytest.raises(TypeError, match="mesh=mesh"):
+            fully_shard(build_model(), mesh)  # type: ignore[misc]  # FSDP2 takes the mesh by keyword
         unnamed = init_device_mesh("cpu", (2, 2))
         with pytest.raises(ValueError, match="dp_mesh_dim="):
-            fully_shard(build_model(), unnamed)
+            fully_shard(build_model(), mesh=unnamed)
 
     run_threaded(run, 4)
 
@@ -404,7 +414,6 @@ def _gloo_fsdp_x_tp() -> dict[str, object]:
 def test_fsdp_x_tp_on_4_gloo_processes() -> None:
     per_rank = run_multiprocess(_gloo_fsdp_x_tp, 4, timeout=240)
     check_against_one_device(per_rank, 4)
-
 
 
 def test_a_failed_forward_leaves_the_shards_registered() -> None:

@@ -422,8 +422,8 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         mesh = init_device_mesh("cpu", (4,))
         torch.manual_seed(0)
         model = MLP()
-        fully_shard(model.up, mesh)
-        fully_shard(model, mesh)
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         x = distribute_tensor(seeded_randn(8, 6, seed=9), mesh, [Shard(0)])
         self.assert_copies_train_like_the_original(model, x)
 
@@ -431,8 +431,8 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
     def test_fully_sharded_and_tensor_parallel_mlp_on_a_2d_mesh(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = _tensor_parallel_mlp(mesh, seed=0)
-        fully_shard(model.up, mesh)
-        fully_shard(model, mesh)
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         # tp cuts up.bias on its only dim, so dp keeps it whole and reduces its gradient
         self.assertEqual(model.up.bias.placements, (Replicate(), Shard(0)))
         batch = seeded_randn(4, 6, seed=10)
