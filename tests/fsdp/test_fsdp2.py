@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fully_shard import BATCH, DIM, TP_PLAN, VOCAB, TinyGPT, batch, build_model, make_optimizer
+from test_fully_shard import DIM, TP_PLAN, VOCAB, TinyGPT, batch, build_model, make_optimizer
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
