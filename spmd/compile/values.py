@@ -37,12 +37,10 @@ _MEMBERS: dict[type, dict[str, MemberType]] = {
             "mesh_dim_names",
             "device_type",
             "dim_index",
-            "get_rank",
-            "get_coordinate",
-            "get_local_rank",
-            "_require_coordinate",
-            "get_communicator",
-            "get_group",
+            "_rank_on",
+            "_coordinate_of",
+            "_communicator_on",
+            "_group_on",
             "__getitem__",
             "__eq__",
             "__ne__",
@@ -56,7 +54,11 @@ _MEMBERS: dict[type, dict[str, MemberType]] = {
         ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "scatter", "_check"), INLINED
     ),
 }
-"""What traced code may use of each value; anything else is a Dynamo error naming the member."""
+"""How Dynamo treats each value's members. Properties (``traceable_property``, see
+spmd/compile/properties.py) and the members not listed are traced like plain Python. Among those
+are the mesh's per-rank queries (``get_rank``, ``get_coordinate``, ``get_local_rank``,
+``get_communicator``, ``get_group``): their traced body reads the rank thread's rank and passes it
+to a ``USE_REAL`` member, so each rank thread of a threaded world gets a graph of its own."""
 
 
 def register_compile_values() -> None:

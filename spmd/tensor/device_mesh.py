@@ -15,6 +15,8 @@ from typing_extensions import Self
 
 from spmd.compile.properties import traceable_property
 from spmd.tensor.comm import Communicator, World, current_world
+from spmd.tensor.comm.threaded import thread_rank
+from spmd.tensor.mesh_args import ranks_tensor, unflatten_args
 from spmd.tensor.mesh_check import check_ranks_agree
 from spmd.tensor.mesh_layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
 
@@ -66,7 +68,7 @@ class DeviceMesh:
         _root: DeviceMesh | None = None,
         _layout: tuple[DimLayout, ...] | None = None,
     ) -> None:
-        ranks = _ranks_tensor(mesh)
+        ranks = ranks_tensor(mesh)
         self._device_type = device_type
         self._mesh = ranks
         self._shape = tuple(ranks.shape)
@@ -136,7 +138,7 @@ class DeviceMesh:
         world = current_world(device_type)
         if not isinstance(group, (list, tuple)):
             ranks = world.adopt_group(group)
-            if mesh is not None and _ranks_tensor(mesh).flatten().tolist() != list(ranks):
+            if mesh is not None and ranks_tensor(mesh).flatten().tolist() != list(ranks):
                 raise ValueError(f"from_group got mesh {mesh!r} for a group of ranks {list(ranks)}; pass mesh=None")
             return DeviceMesh(
                 device_type, list(ranks), mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False
@@ -212,11 +214,20 @@ class DeviceMesh:
     # ----- ranks -----------------------------------------------------------------------------------
     def get_rank(self) -> int:
         """The caller's global rank."""
+        return self._rank_on(thread_rank())
+
+    def _rank_on(self, thread: int | None) -> int:
+        """The caller's global rank. torch.compile runs this on the real mesh but traces ``get_rank``,
+        so passing the rank thread's own rank (None outside a threaded world) guards each compiled
+        graph on the thread that traced it: the rank threads of one process share one cache."""
         return self._world.current_rank()
 
     def get_coordinate(self) -> tuple[int, ...] | None:
         """The caller's coordinate in the mesh, or None if it is not part of it."""
-        return self._coordinates.get(self._world.current_rank())
+        return self._coordinate_of(self.get_rank())
+
+    def _coordinate_of(self, rank: int) -> tuple[int, ...] | None:
+        return self._coordinates.get(rank)
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         """The caller's coordinate along ``mesh_dim`` (may be omitted on a 1-d mesh)."""
@@ -241,12 +252,18 @@ class DeviceMesh:
 
     def get_communicator(self, mesh_dim: int | str) -> Communicator:
         """The caller's communicator along ``mesh_dim``, labelled with the dim's name for errors."""
+        return self._communicator_on(self.get_rank(), mesh_dim)
+
+    def _communicator_on(self, rank: int, mesh_dim: int | str) -> Communicator:
         dim = self.dim_index(mesh_dim)
-        comm = self._world.communicator(self._dim_groups[dim][self._world.current_rank()])
+        comm = self._world.communicator(self._dim_groups[dim][rank])
         return comm.on_mesh_dim(self.mesh_dim_names[dim] if self.mesh_dim_names else str(dim))
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
         """The process group along ``mesh_dim`` (a c10d group under torchrun, else the communicator)."""
+        return self._group_on(self.get_rank(), mesh_dim)
+
+    def _group_on(self, rank: int, mesh_dim: int | str | None) -> Any:
         if mesh_dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group needs a mesh_dim on a {self.ndim}-d mesh")
@@ -254,7 +271,7 @@ class DeviceMesh:
         flattened = isinstance(mesh_dim, str) and mesh_dim not in (self.mesh_dim_names or ())
         if flattened and self._root is None and mesh_dim in self._flattened_dims():
             return self[mesh_dim].get_group()  # a dim made by ``_flatten`` on this mesh
-        comm = self.get_communicator(mesh_dim)
+        comm = self._communicator_on(rank, mesh_dim)
         return getattr(comm, "group", comm)
 
     def get_all_groups(self) -> list[Any]:
@@ -380,25 +397,10 @@ class DeviceMesh:
             raise RuntimeError(
                 "cannot unflatten a DeviceMesh without mesh_dim_names; pass mesh_dim_names=... when building it"
             )
-        index = _unflatten_dim_index(self.mesh_dim_names, dim)
-        sizes, names = tuple(int(s) for s in mesh_sizes), tuple(mesh_dim_names)
-        if len(sizes) != len(names):
-            raise RuntimeError(
-                f"_unflatten got {len(sizes)} mesh_sizes {sizes} but {len(names)} mesh_dim_names {names}; "
-                "pass one name per size"
-            )
+        index, sizes, names = unflatten_args(
+            self.mesh_dim_names, self._shape, dim, mesh_sizes, mesh_dim_names, backend_override
+        )
         others = self.mesh_dim_names[:index] + self.mesh_dim_names[index + 1 :]
-        clashes = sorted({n for n in names if names.count(n) > 1 or n in others})
-        if clashes:
-            raise ValueError(
-                f"_unflatten names {clashes} twice (new dims {names}, other dims {others}); give each dim its own name"
-            )
-        _check_backend_override(backend_override, names)
-        if math.prod(sizes) != self._shape[index]:
-            raise ValueError(
-                f"_unflatten sizes {sizes} hold {math.prod(sizes)} ranks but mesh dim "
-                f"{self.mesh_dim_names[index]!r} has {self._shape[index]}; make their product {self._shape[index]}"
-            )
         new_layouts = split(self._layout[index], sizes)
         if new_layouts is None:
             raise ValueError(
@@ -499,58 +501,6 @@ class DeviceMesh:
     def __str__(self) -> str:
         names = self.mesh_dim_names or tuple(f"d{i}" for i in range(self.ndim))
         return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, self._shape)) + ")"
-
-
-def _ranks_tensor(mesh: torch.Tensor | Sequence[Any]) -> torch.Tensor:
-    """``mesh`` as an int64 tensor of ranks (at least 1-d), refusing anything but integer ranks."""
-    try:
-        ranks = torch.as_tensor(mesh, device="cpu")
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(
-            f"a DeviceMesh takes a (nested) list or tensor of integer ranks, got {mesh!r} ({error})"
-        ) from None
-    if ranks.numel() == 0:
-        raise ValueError(f"a DeviceMesh needs at least one rank, got {mesh!r}")
-    if ranks.dtype == torch.bool or ranks.is_floating_point() or ranks.is_complex() or _holds_bool(mesh):
-        raise ValueError(
-            f"DeviceMesh ranks must be integers, got {mesh!r}; pass ints such as "
-            f"{torch.arange(ranks.numel()).reshape(ranks.shape).tolist()}"
-        )
-    ranks = ranks.to(torch.int64)
-    return ranks.reshape(1) if ranks.ndim == 0 else ranks
-
-
-def _unflatten_dim_index(names: tuple[str, ...], dim: int | str) -> int:
-    """The index of the dim ``_unflatten`` splits, given by index or name (ValueError otherwise, as torch)."""
-    if isinstance(dim, str):
-        if dim not in names:
-            raise ValueError(f"_unflatten got dim {dim!r}, which is not one of the mesh's dims {names}")
-        return names.index(dim)
-    if not -len(names) <= dim < len(names):
-        raise ValueError(f"_unflatten got dim {dim}, out of range for a {len(names)}-d mesh {names}")
-    return dim % len(names)
-
-
-def _check_backend_override(backend_override: Mapping[int | str, Any] | None, names: tuple[str, ...]) -> None:
-    """Refuse what torch refuses: a key that is neither a new dim's name nor its index, or both for one dim."""
-    if not backend_override:
-        return
-    unknown = [key for key in backend_override if key not in names and key not in range(len(names))]
-    if unknown:
-        raise RuntimeError(
-            f"backend_override has keys {unknown} that name no new dim; use names in {names} "
-            f"or indices in [0, {len(names)})"
-        )
-    twice = [name for i, name in enumerate(names) if name in backend_override and i in backend_override]
-    if twice:
-        raise RuntimeError(f"backend_override names dims {twice} both by name and by index; keep one")
-
-
-def _holds_bool(mesh: object) -> bool:
-    # torch.as_tensor turns [0, True] into int64, so look at the Python values themselves.
-    if isinstance(mesh, bool):
-        return True
-    return isinstance(mesh, (list, tuple)) and any(_holds_bool(item) for item in mesh)
 
 
 def init_device_mesh(
