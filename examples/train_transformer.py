@@ -449,8 +449,10 @@ def _print_summary(cfg: Config, rows: list[MemoryRow], comm: CommDebugMode) -> N
     print("\ncollectives per layer (the second step run)")
     for phase, backward in (("forward", False), ("backward", True)):
         per_module = comm.get_per_module_comm_counts(backward=backward)
-        for layer in [f"GPT.layers.{i}" for i in range(cfg.n_layers)]:
-            kinds = per_module.get(layer, {})
+        for i in range(cfg.n_layers):
+            layer = f"GPT.layers.{i}"
+            # under --fsdp the root's class reads FSDPGPT: fully_shard made it an FSDPModule subclass
+            kinds = per_module.get(layer) or per_module.get(f"FSDP{layer}", {})
             listed = ", ".join(f"{kind} {kinds[kind]}" for kind in sorted(kinds)) or "none"
             print(f"  {layer:<14}{phase:<10}{listed}")
 
