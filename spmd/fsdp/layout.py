@@ -216,6 +216,20 @@ def _shard_on_same_mesh(
     return ShardedParameter(module, name, sharded, dp, k, gathered_shape, gathered, global_loss)
 
 
+def _root_dim_of(mesh: DeviceMesh, dim: int, root: DeviceMesh) -> int | None:
+    """The one dim of ``root`` that dim ``dim`` of the sub-mesh ``mesh`` runs along (None: several or none).
+
+    Read off the ranks, so that a dim renamed by ``_flatten`` (torchtitan's ``dp_shard_cp`` over one
+    dim) is found too.
+    """
+    ranks = mesh.mesh.movedim(dim, 0).reshape(mesh.size(dim), -1)[:, 0].tolist()
+    coordinates = [tuple(int(c) for c in (root.mesh == rank).nonzero()[0].tolist()) for rank in ranks]
+    varying = [d for d in range(root.ndim) if len({c[d] for c in coordinates}) > 1]
+    if not varying and mesh.mesh_dim_names and mesh.mesh_dim_names[dim] in (root.mesh_dim_names or ()):
+        return (root.mesh_dim_names or ()).index(mesh.mesh_dim_names[dim])  # a dim of one rank: by name
+    return varying[0] if len(varying) == 1 else None
+
+
 def _shard_on_sibling_mesh(
     module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, where: str, requested: int | None
 ) -> ShardedParameter:
@@ -229,14 +243,13 @@ def _shard_on_sibling_mesh(
     if mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root == mesh:
         raise ValueError(f"fully_shard: parameter {where} is a DTensor on {tp_mesh}, not on {mesh}; {fix}")
     root_names = root.mesh_dim_names or ()
-    dp_names, tp_names = mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
-    if not {*dp_names, *tp_names} <= set(root_names) or set(dp_names) & set(tp_names):
+    dims = [_root_dim_of(m, d, root) for m, d in ((mesh, 0), *((tp_mesh, d) for d in range(tp_mesh.ndim)))]
+    if None in dims or len(set(dims)) != len(dims) or len(root_names) != root.ndim:
         raise ValueError(
-            f"fully_shard: parameter {where} lives on {tp_mesh}, which overlaps or flattens fully_shard's mesh "
-            f"{mesh}; {fix}"
+            f"fully_shard: parameter {where} lives on {tp_mesh}, which overlaps fully_shard's mesh {mesh} or "
+            f"spans several dims of {root} in one; {fix}"
         )
-    dp_root = root_names.index(dp_names[0])
-    tp_root_dims = [root_names.index(name) for name in tp_names]
+    dp_root, *tp_root_dims = (d for d in dims if d is not None)
     placements = tuple(param.placements)
     _check_placements(placements, where)
     if param.ndim == 0:

@@ -70,10 +70,11 @@ def train_fsdp2(
     *,
     blocks: Callable[[nn.Module], list[nn.Module]] = lambda m: list(m.layers),  # type: ignore[arg-type,union-attr]
     root_options: dict[str, Any] | None = None,
+    dp_mesh: DeviceMesh | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """torchtitan's order: fully_shard each block on the dp mesh, then the root; each dp rank its own batch."""
-    dp_mesh = world["dp"] if world.ndim > 1 else world
+    dp_mesh = dp_mesh or (world["dp"] if world.ndim > 1 else world)
     for block in blocks(model):
         fully_shard(block, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **(root_options or options))
@@ -102,19 +103,22 @@ def train_fsdp2(
     }
 
 
-def tp_then_fsdp2() -> dict[str, Any]:
+def tp_then_fsdp2(flattened: bool) -> dict[str, Any]:
     world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(build_model(), world["tp"], FSDP2_TP_PLAN)
     seen: list[torch.Tensor] = []
     model.layers[0].attn.q.register_forward_hook(lambda mod, args, out: seen.append(mod.weight))
-    result = train_fsdp2(model, world)
+    # torchtitan names its dp mesh by flattening (dp_shard_cp), even when it spans one dim
+    dp_mesh = world["dp"]._flatten("dp_shard_cp") if flattened else world["dp"]
+    result = train_fsdp2(model, world, dp_mesh=dp_mesh)
     result["gathered"] = (seen[0].device_mesh.mesh_dim_names, seen[0].placements)
     return result
 
 
-def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh() -> None:
+@pytest.mark.parametrize("flattened", [False, True], ids=["dp", "flattened-dp"])
+def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(flattened: bool) -> None:
     """The sharded parameter lives on the 2-d world mesh; forward computes with the tp sub-mesh's DTensor."""
-    per_rank = run_threaded(tp_then_fsdp2, 4)
+    per_rank = run_threaded(tp_then_fsdp2, 4, flattened)
     check(per_rank, build_model(), DP)
     result = per_rank[0]
     assert result["is_fsdp_module"] and result["grads_like_params"]
