@@ -124,9 +124,10 @@ _fsdp_classes: dict[type, type] = {}
 
 def _fsdp_class(original: type) -> type:
     made = _fsdp_classes.get(original)
-    if made is None:
-        made = type(f"FSDP{original.__name__}", (FSDPModule, original), {"__module__": original.__module__})
-        _fsdp_classes[original] = made
+    if made is None:  # setdefault: rank threads racing here all get the one class stored
+        made = _fsdp_classes.setdefault(
+            original, type(f"FSDP{original.__name__}", (FSDPModule, original), {"__module__": original.__module__})
+        )
     return made
 
 
