@@ -18,7 +18,13 @@ Modules, one job each::
 
 from spmd.fsdp.api import fully_shard
 from spmd.fsdp.layout import ShardedParameter, dp_shard_dim
-from spmd.fsdp.module import FSDPModule, UnshardHandle, fully_shard_state
+from spmd.fsdp.module import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard_state,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FullyShardState
 
@@ -34,4 +40,6 @@ __all__ = [
     "dp_shard_dim",
     "fully_shard",
     "fully_shard_state",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

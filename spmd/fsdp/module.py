@@ -6,6 +6,7 @@ made once per class, so ``isinstance(m, FSDPModule)`` holds and the module's own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -13,7 +14,14 @@ from torch import nn
 
 from spmd.fsdp.state import FullyShardState
 
-__all__ = ["FSDPModule", "UnshardHandle", "as_fsdp_module", "fully_shard_state"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "as_fsdp_module",
+    "fully_shard_state",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 _STATE_ATTR = "_spmd_fully_shard_state"
 
@@ -140,3 +148,30 @@ def as_fsdp_module(module: nn.Module) -> None:
     """Turn ``module``'s class into ``FSDP<Name>`` (a subclass of FSDPModule and its own class)."""
     if not isinstance(module, FSDPModule):
         module.__class__ = _fsdp_class(type(module))
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run fully_shard's forward hooks around ``module.<method_name>`` too (e.g. a ``generate``), not only ``forward``."""
+    state = fully_shard_state(module)
+    if state is None:
+        raise ValueError(f"register_fsdp_forward_method needs a fully_shard'ed module, got a {type(module).__name__}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def with_gathered_parameters(*args: Any, **kwargs: Any) -> Any:
+        cast_args = state.before_forward(module, args, kwargs)
+        if cast_args is not None:
+            args, kwargs = cast_args
+        try:
+            outputs = method(*args, **kwargs)
+        except BaseException:
+            state._unshadow()
+            raise
+        return state.after_forward(module, args, kwargs, outputs)
+
+    setattr(module, method_name, with_gathered_parameters)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """A no-op: torch shares CUDA streams between roots; spmd's collectives run on the caller's stream."""
+    _check_fsdp_modules(modules, "share_comm_ctx")

@@ -20,7 +20,14 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from spmd.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from spmd.fsdp import (
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import _StridedShard
@@ -372,7 +379,11 @@ def fsdp_module_methods() -> dict[str, Any]:
     model.set_modules_to_forward_prefetch([block])
     model.set_modules_to_backward_prefetch([block])
     twin = copy.deepcopy(model)
+    model.embed = model.tok_emb.forward  # a method other than forward that computes with the root's parameters
+    register_fsdp_forward_method(model, "embed")
+    embedded = model.embed(batch(0)[0])
     return {
+        "embedded": embedded.detach(),
         "whole": whole,
         "resharded": resharded,
         "twin": type(twin).__name__,
@@ -385,6 +396,7 @@ def test_fsdp_module_methods() -> None:
     assert result["whole"] == (torch.Size([4 * DIM, DIM]), True)  # unshard: the whole (plain) weight
     assert result["resharded"] == (Shard(0),)
     assert result["twin"] == "FSDPTinyGPT" and result["twin_is_fsdp"]
+    torch.testing.assert_close(result["embedded"], build_model().tok_emb(batch(0)[0]).detach())
 
 
 # ----- activation checkpointing -------------------------------------------------------------------
