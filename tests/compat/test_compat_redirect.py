@@ -61,6 +61,10 @@ COLWISE_BY_ALIAS_CHAIN = dist.tensor.parallel.ColwiseParallel
 
 def manual_seed_by_chain():
     return torch.distributed.tensor._random.manual_seed
+
+
+class Layer:
+    placement_type = torch.distributed.tensor.Shard  # resolved in a class body too
 '''
 
 OUTSIDE = """
@@ -103,12 +107,39 @@ def test_every_import_form_gets_spmd_objects(third_party):
     assert forms.DTENSOR_BY_CHAIN is spmd.tensor.DTensor
     assert forms.COLWISE_BY_ALIAS_CHAIN is spmd.tensor_parallel.ColwiseParallel
     assert forms.manual_seed_by_chain() is spmd.tensor.random.manual_seed
+    assert forms.Layer.placement_type is spmd.tensor.Shard
+    assert forms.__doc__ == "Written against torch.distributed.tensor, as third-party code is."
     # FSDP2 is spmd's; FSDP1, DCP and c10d are not DTensor code and stay torch's.
     assert forms.fully_shard is spmd.fsdp.fully_shard
     assert forms.FullyShardedDataParallel is torch_fsdp.FullyShardedDataParallel
     assert forms.dcp is dcp and forms.ProcessGroup is dist.ProcessGroup
     assert forms.context_parallel is None  # spmd has no ring attention; the package's fallback ran
     assert torch_dtensor.DTensor is not spmd.tensor.DTensor  # torch itself is untouched
+
+
+def test_star_imports_and_module_aliases_of_fsdp_take_fsdp2_from_spmd_and_fsdp1_from_torch(third_party):
+    pkg = third_party(
+        {
+            "__init__.py": """
+                import torch.distributed.fsdp as fsdp
+                from torch.distributed.tensor import *
+                """
+        }
+    )
+    module = importlib.import_module(pkg)
+    assert module.fsdp.fully_shard is spmd.fsdp.fully_shard
+    assert module.fsdp.FullyShardedDataParallel is torch_fsdp.FullyShardedDataParallel
+    assert module.DTensor is spmd.tensor.DTensor and module.distribute_tensor is spmd.tensor.distribute_tensor
+    assert "__spmd_compat__" not in spmd.tensor.__all__
+
+
+def test_a_module_of_a_package_can_be_redirected_alone(third_party):
+    # torchtitan's sharding layouts become placements in one module of spmd_types: spmd_types._dtensor.
+    pkg = third_party({"__init__.py": OUTSIDE + "from . import placements\n", "placements.py": OUTSIDE}, redirect=False)
+    with spmd.compat.redirecting(f"{pkg}.placements"):
+        package = importlib.import_module(pkg)
+        assert package.DTensor is torch_dtensor.DTensor
+        assert package.placements.DTensor is spmd.tensor.DTensor
 
 
 def test_code_outside_the_package_keeps_torch(third_party):
@@ -247,5 +278,5 @@ def test_keep_torch_lets_a_package_import_torch_internals_it_will_not_use(third_
 
 
 def test_keep_torch_takes_only_modules_the_redirect_changes(third_party):
-    with pytest.raises(RedirectError, match="'torch.nn': not a torch DTensor module"):
+    with pytest.raises(RedirectError, match=r"'torch\.nn': not a torch DTensor module"):
         spmd.compat.redirect("anything", keep_torch=["torch.nn"])
