@@ -10,7 +10,6 @@ around the import still works).
 from __future__ import annotations
 
 import importlib
-import threading
 import types
 from collections.abc import MutableMapping
 from typing import Any
@@ -72,24 +71,25 @@ class RedirectedNames(types.ModuleType):
         return f"<module {self.__torch_module!r}, names redirected to spmd>"
 
 
-_proxies: dict[str, RedirectedNames] = {}
-_proxies_lock = threading.Lock()
+_resolved: dict[str, types.ModuleType] = {}
+"""torch module name -> what it resolved to: attribute chains in a hot loop pay one dict lookup."""
 
 
 def module(torch_module: str, importer: str) -> types.ModuleType:
     """What ``import torch_module`` means in the redirected module ``importer``."""
+    found = _resolved.get(torch_module)
+    if found is not None:
+        return found
     kind = classify(torch_module)
     if kind == "spmd":
-        return importlib.import_module(MODULES[torch_module])
-    if kind == "names":
-        with _proxies_lock:
-            proxy = _proxies.get(torch_module)
-            if proxy is None:
-                proxy = _proxies[torch_module] = RedirectedNames(torch_module)
-        return proxy
-    if kind is None:  # not DTensor code: torch's own module (the rewrite never asks for one)
-        return importlib.import_module(torch_module)
-    raise NoSpmdEquivalentError(_no_equivalent(torch_module, importer), name=torch_module)
+        found = importlib.import_module(MODULES[torch_module])
+    elif kind == "names":
+        found = RedirectedNames(torch_module)
+    elif kind is None:  # not DTensor code: torch's own module (the rewrite never asks for one)
+        found = importlib.import_module(torch_module)
+    else:
+        raise NoSpmdEquivalentError(_no_equivalent(torch_module, importer), name=torch_module)
+    return _resolved.setdefault(torch_module, found)  # one proxy per module, whichever thread came first
 
 
 def names(torch_module: str, wanted: tuple[str, ...], importer: str) -> tuple[Any, ...]:

@@ -176,7 +176,10 @@ def _prologue_index(body: list[ast.stmt]) -> int:
     index = 0
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         index = 1
-    while index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__":  # type: ignore[attr-defined]
+    while index < len(body):
+        statement = body[index]
+        if not (isinstance(statement, ast.ImportFrom) and statement.module == "__future__"):
+            break
         index += 1
     return index
 
