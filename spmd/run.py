@@ -53,7 +53,8 @@ def parse_args(argv: Sequence[str]) -> Launch:
         arg = argv[index]
         option, equals, value = arg.partition("=")
         if arg in ("-h", "--help"):
-            raise SystemExit(f"{USAGE}\n\n{__doc__}")
+            print(f"{USAGE}\n\n{__doc__}")
+            raise SystemExit(0)
         if option in lists:
             if not equals:
                 index += 1
