@@ -454,10 +454,33 @@ def checkpointed_inside_fsdp(how: str) -> dict[str, Any]:
     return _train_local_batches(model, 4)
 
 
+def checkpointed_same_mesh(how: str) -> dict[str, Any]:
+    """spmd's layout: a recompute with the dp shards would make a Linear's output Partial over dp."""
+    world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
+    model = with_checkpointing(parallelize_module(build_model(), world, TP_PLAN), how)
+    for block in model.layers:
+        fully_shard(block, mesh=world)
+    fully_shard(model, mesh=world)
+    optimizer = make_optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = (
+            distribute_tensor(t, world, [Shard(0), Replicate()], src_data_rank=None) for t in batch(step)
+        )
+        with loss_parallel():
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
+            loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.full_tensor().item())
+    return {"losses": losses, "params": {name: p.full_tensor() for name, p in model.named_parameters()}}
+
+
 @pytest.mark.parametrize("how", ["full", "wrapper", "selective"])
 def test_activation_checkpointing_recomputes_with_gathered_parameters(how: str) -> None:
     reference = with_checkpointing(build_model(), how)
     check(run_threaded(checkpointed_fsdp2, 4, how), reference, DP)
+    check(run_threaded(checkpointed_same_mesh, 4, how), with_checkpointing(build_model(), how), 1)
     if how != "wrapper":
         check(run_threaded(checkpointed_inside_fsdp, 4, how), with_checkpointing(build_model(), how), 4)
 
