@@ -51,8 +51,8 @@ class GradSync:
     """Whether backward reduces gradients now, and the unreduced ones kept while it does not."""
 
     requires_sync: bool = True
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)
-    """By ``id`` of the group: the packed, unreduced gradients of backwards run without sync."""
+    pending: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """By ``id`` of the group and its part (sharded, whole): the unreduced gradients of backwards run without sync."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ class FlatGroup:
         which: str,
         collective: Callable[[torch.Tensor], list[torch.Tensor]],
     ) -> list[torch.Tensor | None]:
-        key = hash((id(self), which))
+        key = (id(self), which)
         pending = options.sync.pending.pop(key, None)
         if pending is not None:
             flat = flat + pending
