@@ -11,6 +11,7 @@ MLP down row-wise to sequence shards, a column-wise head with vocab-sharded logi
 
 * ours: the demo's ``apply_tp_and_dp(..., fsdp=True)`` on the 2-d mesh; the batch is a DTensor
   sharded over dp, every activation a DTensor.
+* ours with ``--layout fsdp2``: torch's program below, with spmd's imports (FSDP2's layout).
 * torch's: ``torch.distributed.tensor.parallel.parallelize_module`` on ``mesh["tp"]`` and
   ``torch.distributed.fsdp.fully_shard`` on ``mesh["dp"]``; each rank feeds its own slice of the
   batch as a plain tensor, and attention runs the rank's own heads (``n_heads / tp``), as
@@ -113,18 +114,32 @@ class _Ours:
 
 # ----- torch's ------------------------------------------------------------------------------------
 class _Torch:
-    def __init__(self, cfg: Config) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-            loss_parallel,
-            parallelize_module,
-        )
+    """torchtitan's layout: TP on ``mesh["tp"]``, fully_shard on ``mesh["dp"]``, each rank its own plain batch."""
+
+    def __init__(self, cfg: Config, *, library: str = "torch") -> None:
+        if library == "spmd":  # the same program on spmd's FSDP2-compatible fully_shard (--layout fsdp2)
+            from spmd.fsdp import fully_shard
+            from spmd.tensor import Replicate, Shard, init_device_mesh
+            from spmd.tensor_parallel import (
+                ColwiseParallel,
+                PrepareModuleInput,
+                RowwiseParallel,
+                SequenceParallel,
+                loss_parallel,
+                parallelize_module,
+            )
+        else:
+            from torch.distributed.device_mesh import init_device_mesh  # type: ignore[assignment]
+            from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
+            from torch.distributed.tensor import Replicate, Shard  # type: ignore[assignment]
+            from torch.distributed.tensor.parallel import (  # type: ignore[assignment]
+                ColwiseParallel,
+                PrepareModuleInput,
+                RowwiseParallel,
+                SequenceParallel,
+                loss_parallel,
+                parallelize_module,
+            )
 
         self.cfg, self.loss_parallel = cfg, loss_parallel
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
@@ -183,10 +198,11 @@ def _quiet_torch() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _compare_on_this_rank(cfg: Config, warmup: int, steps: int) -> tuple[Result, Result]:
+def _compare_on_this_rank(cfg: Config, warmup: int, steps: int, layout: str = "same-mesh") -> tuple[Result, Result]:
     """One rank of the gloo world: both libraries' steps, interleaved; (ours, torch's)."""
     _quiet_torch()
-    trainers: list[_Ours | _Torch] = [_Ours(cfg), _Torch(cfg)]
+    spmd_trainer = _Torch(cfg, library="spmd") if layout == "fsdp2" else _Ours(cfg)
+    trainers: list[_Ours | _Torch] = [spmd_trainer, _Torch(cfg)]
     times: list[list[float]] = [[], []]
     losses: list[list[float]] = [[], []]
     for step in range(warmup + steps):
@@ -207,9 +223,9 @@ def _compare_on_this_rank(cfg: Config, warmup: int, steps: int) -> tuple[Result,
     return ours, theirs
 
 
-def measure(cfg: Config, *, warmup: int, steps: int) -> tuple[Result, Result]:
+def measure(cfg: Config, *, warmup: int, steps: int, layout: str = "same-mesh") -> tuple[Result, Result]:
     """Both libraries on 4 spawned gloo processes; (ours, torch's) as seen by rank 0."""
-    ours, theirs = run_multiprocess(_compare_on_this_rank, WORLD, cfg, warmup, steps, timeout=TIMEOUT_S)[0]
+    ours, theirs = run_multiprocess(_compare_on_this_rank, WORLD, cfg, warmup, steps, layout, timeout=TIMEOUT_S)[0]
     return ours, theirs
 
 
@@ -225,7 +241,9 @@ def print_report(cfg: Config, ours: Result, theirs: Result, *, warmup: int, step
         f"median of {steps} steps after {warmup} warm-up"
     )
     print(f"{'':<34}{'ours':>12}{'torch':>12}{'ours/torch':>12}")
-    print(f"{'step time (ms)':<34}{ours.median_ms:>12.2f}{theirs.median_ms:>12.2f}{ours.median_ms / theirs.median_ms:>12.2f}")
+    print(
+        f"{'step time (ms)':<34}{ours.median_ms:>12.2f}{theirs.median_ms:>12.2f}{ours.median_ms / theirs.median_ms:>12.2f}"
+    )
     print(
         f"{'params+grads+AdamW per rank (max)':<34}{_kib(ours.state_bytes):>12}{_kib(theirs.state_bytes):>12}"
         f"{ours.state_bytes / theirs.state_bytes:>12.2f}"
@@ -243,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> tuple[Result, Result]:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per library")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--quick", action="store_true", help="2 warm-up and 5 timed steps")
+    parser.add_argument(
+        "--layout",
+        choices=("same-mesh", "fsdp2"),
+        default="same-mesh",
+        help="ours on the demo's one 2-d mesh (default), or on torchtitan's layout: the very program torch runs",
+    )
     args = parser.parse_args(argv)
     warmup, steps = (2, 5) if args.quick else (args.warmup, args.steps)
     if steps < 1:
@@ -250,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[Result, Result]:
     cfg = replace(Config(), dp=DP, tp=TP, steps=warmup + steps, fsdp=True)
     _quiet_torch()
     start = time.perf_counter()
-    ours, theirs = measure(cfg, warmup=warmup, steps=steps)
+    ours, theirs = measure(cfg, warmup=warmup, steps=steps, layout=args.layout)
     print_report(cfg, ours, theirs, warmup=warmup, steps=steps)
     print(f"ran in {time.perf_counter() - start:.1f} s")
     with contextlib.suppress(Exception):

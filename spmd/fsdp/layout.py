@@ -12,8 +12,9 @@ Two layouts, told apart by the mesh the parameter already lives on:
                        summed over dp.
   sibling sub-meshes   torchtitan's: ``parallelize_module(model, world["tp"], plan)`` then
   (FSDP2's)            ``fully_shard(block, mesh=world["dp"])``. The sharded parameter is a DTensor on
-                       the root mesh over both dims: ``Shard(0)`` over dp (``_StridedShard(0)`` when a
-                       later mesh dim also cuts dim 0, as torch lays it out), tp kept. The gathered copy
+                       the root mesh over both dims: ``Shard(k)`` over dp with ``k`` the first dim tp
+                       does not cut (torch cuts dim 0, a ``_StridedShard`` when tp cuts it too: ask
+                       for that with ``shard_placement_fn``), tp kept. The gathered copy
                        is the DTensor on the tp sub-mesh; each rank's batch is its own plain tensor,
                        so each dp rank's gradient is its contribution: summed, then divided by the
                        gradient divide factor (dp size: the mean, as FSDP2 does).
@@ -252,26 +253,29 @@ def _shard_on_sibling_mesh(
     dp_root, *tp_root_dims = (d for d in dims if d is not None)
     placements = tuple(param.placements)
     _check_placements(placements, where)
-    if param.ndim == 0:
-        raise ValueError(
-            f"fully_shard: the 0-d DTensor parameter {where} cannot be sharded over dp; pass it in ignored_params="
-        )
-    k = requested if requested is not None else 0
+    n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
+    gathered_local = param._local_tensor
+    # By default the first dim tp does not cut (so the optimizer's elementwise ops stay local, where a
+    # _StridedShard would be gathered first); none long enough: whole over dp, its gradient all-reduced.
+    k = requested if requested is not None else dp_shard_dim(gathered_local.shape, placements, -1, n)
     by_root: dict[int, Placement] = dict(zip(tp_root_dims, placements))
     order = sorted([dp_root, *tp_root_dims])
     split = 1  # the later mesh dims cutting dim k: dp cuts right to left then (torch's _StridedShard)
     for d in order:
         p = by_root.get(d)
-        if d > dp_root and p is not None and _is_shard_like(p) and p.dim == k:
+        if k is not None and d > dp_root and p is not None and _is_shard_like(p) and p.dim == k:
             split *= root.size(d)
-    dp_placement: Placement = _StridedShard(k, split_factor=split) if split > 1 else Shard(k)
+    dp_placement: Placement = (
+        Replicate() if k is None else (_StridedShard(k, split_factor=split) if split > 1 else Shard(k))
+    )
     full_mesh = root if len(order) == root.ndim else root[tuple(root_names[d] for d in order)]
     full_placements = tuple(dp_placement if d == dp_root else by_root[d] for d in order)
-    n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
     with torch.no_grad():
-        gathered_local = param._local_tensor
-        sizes = shard_sizes(gathered_local.size(k), n)
-        piece = gathered_local.narrow(k, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
+        if k is None:
+            piece = gathered_local.clone()
+        else:
+            sizes = shard_sizes(gathered_local.size(k), n)
+            piece = gathered_local.narrow(k, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
         sharded_local = DTensor.from_local(
             piece, full_mesh, full_placements, shape=tuple(param.shape), stride=tuple(param.stride())
         )

@@ -117,7 +117,9 @@ def tp_then_fsdp2(flattened: bool) -> dict[str, Any]:
     model.layers[0].attn.q.register_forward_hook(lambda mod, args, out: seen.append(mod.weight))
     # torchtitan names its dp mesh by flattening (dp_shard_cp), even when it spans one dim
     dp_mesh = world["dp"]._flatten("dp_shard_cp") if flattened else world["dp"]
-    result = train_fsdp2(model, world, dp_mesh=dp_mesh)
+    # and asks for torch's default dim: Shard(0) (a _StridedShard where tp cuts dim 0 too)
+    options = {"shard_placement_fn": lambda param: Shard(0)} if flattened else {}
+    result = train_fsdp2(model, world, dp_mesh=dp_mesh, **options)
     result["gathered"] = (seen[0].device_mesh.mesh_dim_names, seen[0].placements)
     return result
 
@@ -130,8 +132,12 @@ def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(flattened: boo
     result = per_rank[0]
     assert result["is_fsdp_module"] and result["grads_like_params"]
     assert result["meshes"]["layers.0.attn.q.weight"] == ("dp", "tp")
-    # dp cuts dim 0, which tp (a later mesh dim) cuts too: right to left, as torch lays it out
-    assert result["placements"]["layers.0.attn.q.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    if flattened:  # dp cuts dim 0, which tp (a later mesh dim) cuts too: right to left, as torch lays it out
+        assert result["placements"]["layers.0.attn.q.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+        assert result["placements"]["layers.0.mlp.up.bias"] == (_StridedShard(0, split_factor=2), Shard(0))
+    else:  # by default the first dim tp does not cut (no _StridedShard for the optimizer to gather)
+        assert result["placements"]["layers.0.attn.q.weight"] == (Shard(1), Shard(0))
+        assert result["placements"]["layers.0.mlp.up.bias"] == (Replicate(), Shard(0))  # nothing left to cut
     assert result["placements"]["layers.0.attn.out.weight"] == (Shard(0), Shard(1))
     assert result["placements"]["layers.0.attn_norm.weight"] == (Shard(0), Replicate())
     assert result["gathered"] == (("tp",), (Shard(0),))
