@@ -34,9 +34,11 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from spmd.fsdp.flat import FlatGroup, GradSync, ReduceOptions, flat_groups, local_shard
-from spmd.fsdp.layout import ShardedParameter
+from spmd.fsdp.layout import GatheredLayout, ShardedParameter
 from spmd.fsdp.policy import MixedPrecisionPolicy
-from spmd.tensor import DeviceMesh, DTensor, Partial
+from spmd.tensor import DeviceMesh, DTensor, Partial, Placement
+from spmd.tensor.redistribute import grad_placements_for, redistribute_traced
+from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["FullyShardState", "add_storage_resize_observer"]
 
@@ -71,6 +73,8 @@ class FullyShardState:
         self._gathered: dict[int, torch.Tensor] = {}
         self._views: dict[int, torch.Tensor] = {}
         self._unsharded = False
+        self._specs: _SpecCache = {}
+        """The gathered copies' specs, built once rather than every forward."""
 
     # ----- forward ------------------------------------------------------------------------------
     def before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
@@ -119,7 +123,7 @@ class FullyShardState:
                 key = id(param.parameter)
                 if param.is_sharded:
                     gathered[key] = local
-                views[key] = _as_gathered(local, param, global_loss)
+                views[key] = _as_gathered(local, param, global_loss, self._specs)
         return gathered, views
 
     def unshard(self) -> None:
@@ -170,21 +174,50 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def _as_gathered(local: torch.Tensor, param: ShardedParameter, global_loss: bool) -> torch.Tensor:
+_SpecCache = dict[tuple[GatheredLayout, torch.dtype], tuple[DTensorSpec, tuple[Placement, ...]]]
+
+
+def _as_gathered(local: torch.Tensor, param: ShardedParameter, global_loss: bool, specs: _SpecCache) -> torch.Tensor:
     """The gathered local tensor as forward sees it: plain, a DTensor on the tp sub-mesh, or over dp too."""
     layout = param.gathered
     if layout is None or (layout.dp is not None and not global_loss):
         return local
-    if layout.dp is None:  # FSDP2's layout: each rank's own loss, the copy lives on the tp sub-mesh
-        return DTensor.from_local(local, layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride)
-    # The global loss: each dp rank's gradient is its part of the sum, whether it reaches the copy as a
-    # DTensor or through the copy's to_local() (torchtitan's local embedding lookup, re-wrapped).
-    contribution = tuple(Partial() if d == layout.dp else p for d, p in enumerate(layout.placements))
-    copy = DTensor.from_local(
-        local, layout.mesh, layout.placements, shape=layout.shape, stride=layout.stride, grad_placements=contribution
-    )
-    copy._local_grad_placements = contribution
+    key = (layout, local.dtype)
+    cached = specs.get(key)
+    if cached is None:
+        cached = specs[key] = _gathered_spec(layout, local.dtype)
+    spec, grad_placements = cached
+    copy: DTensor = _AsGathered.apply(local, spec, grad_placements)  # type: ignore[no-untyped-call]
+    if layout.dp is not None:
+        # The global loss: each dp rank's gradient is its part of the sum, whether it reaches the copy
+        # as a DTensor or through the copy's to_local() (torchtitan's local embedding lookup, re-wrapped).
+        copy._local_grad_placements = grad_placements
     return copy
+
+
+def _gathered_spec(layout: GatheredLayout, dtype: torch.dtype) -> tuple[DTensorSpec, tuple[Placement, ...]]:
+    """A gathered copy's spec, and the layout its gradient goes back to the local tensor in."""
+    spec = DTensorSpec(layout.mesh, layout.placements, TensorMeta(layout.shape, layout.stride, dtype))
+    if layout.dp is None:  # FSDP2's layout: the tp sub-mesh's gradient, laid out as the copy
+        return spec, grad_placements_for(layout.placements)
+    return spec, tuple(Partial() if d == layout.dp else p for d, p in enumerate(grad_placements_for(layout.placements)))
+
+
+class _AsGathered(torch.autograd.Function):
+    """This rank's gathered local tensor as the copy's DTensor; backward: the local gradient, laid out as asked."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> DTensor:
+        ctx.grad_placements = grad_placements
+        return DTensor(local, spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None, None]:
+        return (
+            redistribute_traced(grad._local_tensor, grad._spec, ctx.grad_placements, "fully_shard (backward)"),
+            None,
+            None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
