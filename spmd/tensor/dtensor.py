@@ -24,6 +24,7 @@ from spmd.tensor.collectives import agree, broadcast_from
 from spmd.tensor.comm.base import full_check_here
 from spmd.tensor.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
 from spmd.tensor.comm.threaded import thread_rank
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.device_mesh import DeviceMesh, current_mesh
 from spmd.tensor.placement import Partial, Placement, Replicate, _is_shard_like, shard_sizes
 from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
@@ -224,7 +225,7 @@ class DTensor(torch.Tensor):
                 f"from_local takes a DeviceMesh, got {type(device_mesh).__name__}; "
                 'build one with init_device_mesh("cpu", (world_size,))'
             )
-        if torch.compiler.is_compiling():  # Dynamo records one opaque call (see spmd/compile/from_local.py)
+        if compiling_here():  # Dynamo records one opaque call (see spmd/compile/from_local.py)
             from spmd.compile.from_local import from_local_in_graph
 
             return from_local_in_graph(
@@ -485,7 +486,7 @@ class _FromLocal(torch.autograd.Function):
         if not member:  # a rank outside the mesh holds nothing of the tensor (its shape is still global)
             local = local.new_empty(0)
         ctx.label = ""
-        if member and full_check_here() and not torch.compiler.is_compiling():  # SPMD_DEBUG=check
+        if member and full_check_here() and not compiling_here():  # SPMD_DEBUG=check
             ctx.label = _label_local(local, "DTensor.from_local")
             if not run_check:  # run_check broadcast the replicated dims already
                 _compare_replicated(local, spec, placements, f"the local tensor passed to {ctx.label}", _FROM_LOCAL_FIX)
@@ -499,7 +500,7 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if spec.mesh.get_coordinate() is None:  # the rank held nothing of the tensor: its local gets no gradient
             return (None,) * 7
-        if full_check_here() and not torch.compiler.is_compiling():
+        if full_check_here() and not compiling_here():
             what = f"the gradient arriving at the backward of {ctx.label or 'DTensor.from_local'}"
             _compare_replicated(grad._local_tensor, grad._spec, grad._spec.placements, what, _GRAD_FIX)
         if ctx.grad_placements is not None:
@@ -524,7 +525,7 @@ class _ToLocal(torch.autograd.Function):
         ctx.spec = input._spec
         ctx.grad_placements = grad_placements
         ctx.label = ""
-        if full_check_here() and not torch.compiler.is_compiling():  # SPMD_DEBUG=check
+        if full_check_here() and not compiling_here():  # SPMD_DEBUG=check
             ctx.label = _label_local(input, "to_local()")
         return input._local_tensor.view_as(input._local_tensor)
 
@@ -532,7 +533,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
-        if full_check_here() and not torch.compiler.is_compiling() and spec.mesh.get_coordinate() is not None:
+        if full_check_here() and not compiling_here() and spec.mesh.get_coordinate() is not None:
             what = f"the gradient arriving at the backward of {ctx.label or 'to_local()'}"
             _compare_replicated(grad, spec, placements, what, _GRAD_FIX)
         grad_spec = DTensorSpec(

@@ -19,6 +19,7 @@ import torch
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
 from spmd.tensor.collectives import reduce_over
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.spec import local_shape_and_offset
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabLayout", "vocab_layout"]
@@ -142,7 +143,7 @@ def _full_weight(weight: torch.Tensor | None, num_classes: int) -> torch.Tensor 
 
 
 def _check_target_range(target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    if torch.compiler.is_compiling():  # a compiled graph cannot branch on the targets' values
+    if compiling_here():  # a compiled graph cannot branch on the targets' values
         return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
     if bool(bad.any()):

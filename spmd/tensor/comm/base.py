@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from spmd.tensor.comm.library_ops import COLLECTIVE_OPS, group_handle
+from spmd.tensor.compiling import compiling_here
 
 __all__ = [
     "Communicator",
@@ -268,10 +270,11 @@ class Communicator(ABC):
     def _check(self, kind: str, tensor: torch.Tensor, detail: str) -> None:
         """Run the collective check, if one is installed, before an eager collective.
 
-        Compiled code skips it (a compiled graph holds the collective op, not this call); the check is
-        itself a collective, so do not combine it with compiling on rank threads.
+        Compiled code skips it: a compiled graph holds the collective op, not this call, and while
+        the compiler traces (Dynamo, then AOTAutograd on fake tensors) nothing is issued, so a check
+        there would be a round no peer joins.
         """
-        if _collective_check is not None and not torch.compiler.is_compiling():
+        if _collective_check is not None and not compiling_here() and not is_fake(tensor):
             _collective_check(self, kind, tensor, detail)
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from typing_extensions import Self
 
 from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.debug.torch_collectives import (
     TorchCollectiveWatch,
     collective_kind,
@@ -187,7 +188,7 @@ class CommDebugMode:
     def _enter_module(self, module: nn.Module, inputs: Any) -> None:
         # A compiled graph's collectives are still counted when it runs, but not per module: the
         # hooks below cannot be traced (and a traced hook would only run at compile time).
-        if torch.compiler.is_compiling() or not self._mine():
+        if compiling_here() or not self._mine():
             return
         name = self._modules.name_of(module)
         self._modules.stack.append(name)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, pointwise_candidates
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size  # slice/select_backward: input_sizes is global
@@ -304,7 +305,7 @@ def _masked_gather(
     size = spec.shape[dim]
     # Plain torch raises for a position outside the dim; the masked lookup would give zeros. Every
     # rank holds the same (replicated) index, so all of them raise and none waits in a collective.
-    if index.numel() and not index.is_meta and not torch.compiler.is_compiling():
+    if index.numel() and not index.is_meta and not compiling_here():
         low, high = torch.stack(torch.aminmax(index)).tolist()
         if low < 0 or high >= size:
             raise RuntimeError(

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim
 from spmd.tensor.ops.matrix import no_empty_shards
 from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
@@ -248,7 +249,7 @@ def _check_ids_in_range(indices: torch.Tensor, num_embeddings: int) -> None:
     """Raise IndexError as plain torch does for an id outside the table (the masked lookup would
     return a zero row). Every rank holding these ids raises, so no rank is left in a collective."""
     # Meta ids (the N-rank simulator) hold no values to check; a compiled graph cannot branch on values.
-    if indices.numel() == 0 or indices.is_meta or torch.compiler.is_compiling():
+    if indices.numel() == 0 or indices.is_meta or compiling_here():
         return
     low, high = torch.stack(torch.aminmax(indices)).tolist()  # one read of the ids' range
     if low < 0 or high >= num_embeddings:
