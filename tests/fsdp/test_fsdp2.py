@@ -96,6 +96,8 @@ def train_fsdp2(
         grads_like_params = all(p.grad.placements == p.placements for p in model.parameters())
         if step == 0:
             first_grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e6)  # torchtitan clips here
+            first_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
         optimizer.step()
         optimizer.zero_grad()
         losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
@@ -106,6 +108,7 @@ def train_fsdp2(
         "meshes": {name: p.device_mesh.mesh_dim_names for name, p in model.named_parameters()},
         "grads_like_params": grads_like_params,
         "first_grads": first_grads,
+        "first_norm": first_norm,
         "is_fsdp_module": isinstance(model, FSDPModule) and isinstance(model, TinyGPT),
     }
 
@@ -141,6 +144,11 @@ def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(flattened: boo
     assert result["placements"]["layers.0.attn.out.weight"] == (Shard(0), Shard(1))
     assert result["placements"]["layers.0.attn_norm.weight"] == (Shard(0), Replicate())
     assert result["gathered"] == (("tp",), (Shard(0),))
+    reference = build_model()
+    tokens, targets = batch(0)
+    F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()  # type: ignore[no-untyped-call]
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1e6).item()
+    assert result["first_norm"] == pytest.approx(expected_norm, rel=1e-5)
 
 
 def default_mesh_run() -> dict[str, Any]:
