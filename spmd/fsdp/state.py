@@ -83,6 +83,7 @@ class FullyShardState:
         if _in_backward() and self._views:
             return args, kwargs  # a recompute in backward: the copies shadowed for backward serve it
         global_loss = self._global_loss(args, kwargs)
+        self._unsharded = False  # forward gathers with autograd itself; its end un-shadows an unshard()'s copies
         self._gathered, self._views = self.gather(global_loss=global_loss)
         self._shadow(self._views)
         return args, kwargs
