@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,12 +70,13 @@ class _RankRNG:
     """Elements this rank has drawn, in either mode (what O(local) is measured by)."""
 
 
-_generators: dict[tuple[Any, int], _RankRNG] = {}
+# One generator per rank of a world (threads of one threaded world must not share state), held
+# weakly by the world: a later world must not inherit a finished one's seed, offset or mode.
+_generators: weakref.WeakKeyDictionary[Any, dict[int, _RankRNG]] = weakref.WeakKeyDictionary()
 
 
-def _rank_key(mesh: DeviceMesh) -> tuple[Any, int]:
-    # One generator per rank of a world: threads of one threaded world must not share state.
-    return (id(mesh._world), mesh.get_rank())
+def _entry(mesh: DeviceMesh) -> _RankRNG | None:
+    return _generators.get(mesh._world, {}).get(mesh.get_rank())
 
 
 def _coordinate_zero_seed(mesh: DeviceMesh, seed: int) -> int:
@@ -83,10 +85,11 @@ def _coordinate_zero_seed(mesh: DeviceMesh, seed: int) -> int:
 
 
 def _rank_state(mesh: DeviceMesh) -> _RankRNG:
-    entry = _generators.get(_rank_key(mesh))
+    entry = _entry(mesh)
     if entry is None:
         manual_seed(torch.initial_seed(), mesh)
-        entry = _generators[_rank_key(mesh)]
+        entry = _entry(mesh)
+        assert entry is not None
     return entry
 
 
@@ -95,12 +98,13 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
 
     Restarts both streams: the torch-mode generator and the counter stream's offset."""
     seed = _coordinate_zero_seed(device_mesh, int(seed))
-    key = _rank_key(device_mesh)
     with _lock:
-        old = _generators.get(key)
+        old = _entry(device_mesh)
         mode = old.mode if old is not None else None
         drawn = old.drawn if old is not None else 0
-        _generators[key] = _RankRNG(seed, torch.Generator().manual_seed(seed), mode=mode, drawn=drawn)
+        _generators.setdefault(device_mesh._world, {})[device_mesh.get_rank()] = _RankRNG(
+            seed, torch.Generator().manual_seed(seed), mode=mode, drawn=drawn
+        )
 
 
 def _check_mode(mode: str) -> RngMode:
@@ -130,7 +134,7 @@ def get_rng_mode(device_mesh: DeviceMesh | None = None) -> RngMode:
     """The mode random ops on ``device_mesh`` use on this rank (the process default without one)."""
     if device_mesh is None:
         return _default_mode
-    entry = _generators.get(_rank_key(device_mesh))
+    entry = _entry(device_mesh)
     return (entry.mode if entry is not None else None) or _default_mode
 
 
@@ -155,7 +159,7 @@ def rng_mode(mode: RngMode, device_mesh: DeviceMesh | None = None) -> Iterator[N
 
 def drawn_elements(device_mesh: DeviceMesh) -> int:
     """How many random elements this rank has drawn for DTensors on ``device_mesh``'s world."""
-    entry = _generators.get(_rank_key(device_mesh))
+    entry = _entry(device_mesh)
     return entry.drawn if entry is not None else 0
 
 
