@@ -37,6 +37,8 @@ class traceable_property(Generic[T]):
         self.fget = fget
         self.__doc__ = fget.__doc__
         self.__name__ = fget.__name__
+        # so that ``traceable_property(abstractmethod(f))`` keeps its class abstract, as a property does
+        self.__isabstractmethod__: bool = getattr(fget, "__isabstractmethod__", False)
 
     @overload
     def __get__(self, instance: None, owner: type | None = None) -> Self: ...

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from spmd.compile.properties import traceable_property
 from spmd.tensor.comm.base import Communicator, World
 
 __all__ = ["SimulatedWorld", "SimulatedCommunicator"]
@@ -28,7 +29,7 @@ class SimulatedCommunicator(Communicator):
         super().__init__(ranks)
         self._local_rank = ranks.index(rank)
 
-    @property
+    @traceable_property
     def local_rank(self) -> int:
         return self._local_rank
 

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, TypeGuard
 
 import torch
 
+from spmd.compile.properties import traceable_property
+
 __all__ = [
     "Placement",
     "Shard",
@@ -338,7 +340,7 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or _canonical_reduce_op(reduce_op) == self.reduce_op
 
-    @property
+    @traceable_property  # not property: torch.compile reads it on placements from outside the region
     def is_linear(self) -> bool:
         """True for sum and avg: the reduction commutes with addition and scaling."""
         return self.reduce_op in self.LINEAR_REDUCE_OPS

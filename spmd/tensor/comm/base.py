@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from spmd.compile.properties import traceable_property
 from spmd.tensor.comm.library_ops import COLLECTIVE_OPS, group_handle
 from spmd.tensor.compiling import compiling_here
 
@@ -226,7 +227,7 @@ class Communicator(ABC):
 
         return f"communicator_for({self.group_handle()})", {"communicator_for": communicator_for}
 
-    @property
+    @traceable_property  # not property: torch.compile reads it on communicators from outside the region
     @abstractmethod
     def local_rank(self) -> int:
         """Index of the calling rank inside ``ranks``."""

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from spmd.compile.properties import traceable_property
 from spmd.tensor.comm.base import (
     CheckTicket,
     CollectiveAbortedError,
@@ -141,7 +142,7 @@ class C10dCommunicator(Communicator):
         """Collectives this rank issued on the group through the check (shared by views and copies):
         names the store slot of a warm-up check."""
 
-    @property
+    @traceable_property
     def local_rank(self) -> int:
         return self._local_rank
 

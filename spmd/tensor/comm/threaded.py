@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from spmd.compile.properties import traceable_property
 from spmd.tensor.comm.base import (
     CheckTicket,
     CollectiveAbortedError,
@@ -237,7 +238,7 @@ class ThreadedCommunicator(Communicator):
         super().__init__(ranks, timeout_s=world.timeout if timeout_s is None else timeout_s)
         self.world = world
 
-    @property
+    @traceable_property
     def local_rank(self) -> int:
         return self.ranks.index(self.world.current_rank())
 
