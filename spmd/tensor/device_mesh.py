@@ -317,7 +317,8 @@ class DeviceMesh:
         """The caller's mesh whose dim ``i`` lies at ``layouts[i]`` in this root mesh's rank list."""
         axes = [axis for layout in layouts for axis in layout]
         start = without_axes(self._caller_position(), axes)
-        ranks = torch.tensor([self._flat[start + offset] for offset in offsets(axes)], dtype=torch.int64)
+        # on the CPU even under `with torch.device("meta")` (a model built there slices its mesh too)
+        ranks = torch.tensor([self._flat[start + offset] for offset in offsets(axes)], dtype=torch.int64, device="cpu")
         shape = [math.prod(size for size, _ in layout) for layout in layouts]
         # Every group of the sub-mesh was made with this mesh or with the call that derived the dims.
         return DeviceMesh(
@@ -533,7 +534,7 @@ def init_device_mesh(
             f"mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world.size}; "
             "make the product of the mesh shape equal the world size"
         )
-    ranks = torch.arange(world.size).reshape(mesh_shape)
+    ranks = torch.arange(world.size, device="cpu").reshape(mesh_shape)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
     world.create_groups(mesh._groups(), timeout_s=timeout_s)
     return mesh

@@ -26,13 +26,13 @@ def check_ranks_agree(world: World, mesh_shape: tuple[int, ...], names: Any, tim
         return
     mine = f"mesh_shape={mesh_shape}, mesh_dim_names={names}".encode()
     digest = int.from_bytes(hashlib.sha256(mine).digest()[:8], "little", signed=True)
-    # The raw collective: this check is set-up, not traffic a CommDebugMode should count.
-    gathered = comm._all_gather(torch.tensor([digest, len(mine)], dtype=torch.int64))
+    # CPU tensors, also under `with torch.device("meta")`. The raw collective: this check is set-up, not traffic a CommDebugMode should count.
+    gathered = comm._all_gather(torch.tensor([digest, len(mine)], dtype=torch.int64, device="cpu"))
     if bool((gathered[:, 0] == digest).all()):
         return
     longest = int(gathered[:, 1].max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device="cpu")
+    padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8, device="cpu")
     described = comm._all_gather(padded)
     by_args: dict[str, list[int]] = {}
     for rank, (row, length) in enumerate(zip(described.tolist(), gathered[:, 1].tolist())):

@@ -137,3 +137,16 @@ def test_meta_init_then_train_equals_one_device(tp: bool, dp: bool) -> None:
     # atol 1e-4 (1% of one AdamW step at lr 1e-2): Adam's m/sqrt(v) turns sum-order rounding of the
     # few near-zero gradients (k's, under tp) into visible differences
     check(per_rank, one_device_model(), 2 if tp and dp else (4 if dp else 1), rtol=1e-4, atol=1e-4)
+
+
+def test_meshes_made_under_the_meta_device_hold_real_ranks() -> None:
+    """A mesh and its sub-meshes made inside ``with torch.device("meta")`` keep CPU rank tensors."""
+
+    def rank() -> tuple[list[int], list[int], str]:
+        with torch.device("meta"):
+            world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            dp, tp = world["dp"], world["tp"]
+        return dp.mesh.tolist(), tp.mesh.tolist(), str(world.mesh.device)
+
+    for r, (dp, tp, device) in enumerate(run_threaded(rank, 4)):
+        assert (dp, tp, device) == ([r % 2, r % 2 + 2], [r // 2 * 2, r // 2 * 2 + 1], "cpu")
