@@ -54,14 +54,21 @@ def one_device_model() -> TinyGPT:
     return model
 
 
-def materialise(model: TinyGPT) -> dict[str, Any]:
-    """to_empty + init_weights on every rank; what survives of the parallel layout."""
+def materialise(model: TinyGPT, *, seed_with: str = "spmd") -> dict[str, Any]:
+    """to_empty + init_weights on every rank; what survives of the parallel layout.
+
+    ``seed_with="torch"`` seeds as torchtitan does, ``torch.manual_seed`` alone: the world's DTensor
+    generator takes ``torch.initial_seed()`` at its first random op (later reseeds need
+    ``spmd.tensor.random.manual_seed``)."""
     before = {name: (p.device_mesh, p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)}
     ids = {name: id(p) for name, p in model.named_parameters()}
     on_meta = all(isinstance(p, DTensor) and p.is_meta and p.to_local().is_meta for p in model.parameters())
     model.to_empty(device="cpu")
     mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
-    manual_seed(SEED, mesh)
+    if seed_with == "spmd":
+        manual_seed(SEED, mesh)
+    else:
+        torch.manual_seed(SEED)
     init_weights(model)
     after = {name: (p.device_mesh, p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)}
     return {
@@ -150,3 +157,11 @@ def test_meshes_made_under_the_meta_device_hold_real_ranks() -> None:
 
     for r, (dp, tp, device) in enumerate(run_threaded(rank, 4)):
         assert (dp, tp, device) == ([r % 2, r % 2 + 2], [r // 2 * 2, r // 2 * 2 + 1], "cpu")
+
+
+def test_torch_manual_seed_alone_seeds_a_fresh_world_like_one_device() -> None:
+    def rank() -> dict[str, Any]:
+        model, _ = build_on_meta(tp=True, dp=True)
+        return materialise(model, seed_with="torch")
+
+    check_init(run_threaded(rank, 4))
