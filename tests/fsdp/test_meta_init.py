@@ -165,3 +165,28 @@ def test_torch_manual_seed_alone_seeds_a_fresh_world_like_one_device() -> None:
         return materialise(model, seed_with="torch")
 
     check_init(run_threaded(rank, 4))
+
+
+def reset_all(model: nn.Module) -> None:
+    """FSDP2's documented alternative to init_weights: each module's own ``reset_parameters``."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def test_reset_parameters_after_to_empty_equals_one_device() -> None:
+    """Linear's kaiming_uniform_ (fan-in from the global shape), Embedding's normal_, RMSNorm's ones_."""
+
+    def rank() -> dict[str, torch.Tensor]:
+        model, _ = build_on_meta(tp=True, dp=True)
+        model.to_empty(device="cpu")
+        manual_seed(SEED, next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh)
+        reset_all(model)
+        return {name: p.full_tensor() for name, p in model.named_parameters()}
+
+    expected = TinyGPT()
+    torch.manual_seed(SEED)
+    reset_all(expected)
+    for result in run_threaded(rank, 4):
+        for name, param in expected.named_parameters():
+            torch.testing.assert_close(result[name], param.detach(), rtol=0, atol=0, msg=name)
