@@ -5,7 +5,7 @@ compiled function (an argument, a closure cell, a global): it resolves a ``prope
 class's source, which it never sets for opaque objects, and stops with "cls_source must not be None
 for MRO walk". A read-only descriptor of our own (a Python ``__get__``) takes Dynamo's generic
 descriptor path instead, which traces ``__get__``: the getter then runs like a method body.
-Imports nothing from spmd, so any module may use it.
+Depends on no other spmd module, so any module may use it.
 """
 
 from __future__ import annotations

@@ -173,7 +173,9 @@ def test_exported_tree_passes_ruff(exported: Path) -> None:
     ignores = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["per-file-ignores"]
     moved = {MAPPING.map_path(path): codes for path, codes in ignores.items() if MAPPING.map_path(path)}
     overrides = [f"lint.isort.known-first-party=['{ROOT}']"]
-    overrides += [f'lint.per-file-ignores."{path}"={codes!r}' for path, codes in moved.items()]
+    # one override for the whole table: ruff keeps only the last of several per-file-ignores overrides
+    table = ", ".join(f'"{path}" = {codes!r}' for path, codes in moved.items())
+    overrides.append(f"lint.per-file-ignores = {{ {table} }}")
     cmd = [ruff, "check", "--no-cache", "--config", str(REPO / "pyproject.toml")]
     cmd += [arg for override in overrides for arg in ("--config", override)] + ["."]
     result = subprocess.run(cmd, cwd=exported, capture_output=True, text=True, timeout=60, check=False)
