@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,8 @@ def run(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.Complete
 
 def reports(result: subprocess.CompletedProcess[str]) -> list[dict]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # one flat JSON object per report; under torchrun two ranks' lines may run together on the one pipe
+    return [json.loads(report) for report in re.findall(r"\{[^{}]*\}", result.stdout)]
 
 
 def test_options_before_the_target_are_ours_the_rest_its() -> None:
