@@ -14,26 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from spmd.tensor.api import distribute_tensor
-from spmd.tensor.comm import Communicator, active_world, current_world
+from spmd.tensor.comm import Communicator, current_world
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.trace import current_rank_or_none
 
-__all__ = ["world_rank", "gather_full", "offload_to_cpu", "distribute_like", "distribute_tree", "broadcast_from_rank0"]
+__all__ = ["gather_full", "offload_to_cpu", "distribute_like", "distribute_tree", "broadcast_from_rank0"]
 
 Path = tuple[Any, ...]
 """Keys (and list indices) from the root of a state_dict down to one value."""
-
-
-def world_rank() -> int | None:
-    """The caller's global rank, or None in a plain process (no threaded world, no process group)."""
-    world = active_world()
-    if world is not None:
-        return world.current_rank()
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return None
 
 
 def gather_full(state: Any, *, cpu_offload: bool) -> Any:
@@ -43,7 +33,7 @@ def gather_full(state: Any, *, cpu_offload: bool) -> Any:
     rank 0 keeps the result and every other rank gets ``{}``, so a large model is held once, not
     once per rank; in a plain process there is only rank 0.
     """
-    keep = not cpu_offload or world_rank() in (None, 0)
+    keep = not cpu_offload or current_rank_or_none() in (None, 0)
 
     def full(tensor: torch.Tensor) -> torch.Tensor | None:
         value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -113,7 +103,7 @@ def broadcast_from_rank0(source: Callable[[], Any], target_of: Callable[[Path], 
     (with ``owned``, no rank holds more than one full tensor at a time). If ``source`` raises on rank 0, every
     rank raises ``ValueError`` with its message.
     """
-    rank = world_rank()
+    rank = current_rank_or_none()
     if rank is None:
         return distribute_tree(source(), target_of, owned=owned)
     comm = _world_communicator()
