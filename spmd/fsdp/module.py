@@ -91,9 +91,7 @@ class FSDPModule:
             state.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Recorded for torch compatibility: the gathered copies are always released after backward."""
-        for state in self._fsdp_states(recurse):
-            state.reshard_after_backward = reshard_after_backward
+        """A no-op, for torch compatibility: the gathered copies are always released after backward."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` (default: dp size for per-rank losses, 1 for a global loss)."""
@@ -103,14 +101,10 @@ class FSDPModule:
             state.divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Recorded for torch compatibility: spmd always reduces with a sum and divides afterwards."""
-        for state in self._fsdp_states(recurse=True):
-            state.force_sum_reduction = enable
+        """A no-op, for torch compatibility: spmd always reduces with a sum and divides afterwards."""
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Recorded for torch compatibility: nothing waits for a last backward here."""
-        for state in self._fsdp_states(recurse=True):
-            state.is_last_backward = is_last_backward
+        """A no-op, for torch compatibility: nothing waits for a last backward here."""
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """A no-op: collectives are synchronous, so there is no prefetch to order."""

@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from spmd.fsdp.flat import FlatGroup, GradSync, ReduceOptions, flat_groups, local_shard
+from spmd.fsdp.flat import GradSync, ReduceOptions, flat_groups, local_shard
 from spmd.fsdp.layout import GatheredLayout, ShardedParameter
 from spmd.fsdp.policy import MixedPrecisionPolicy
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement
@@ -67,9 +67,6 @@ class FullyShardState:
         self.sync = GradSync()
         self.divide_factor: float | None = None
         """None: dp size for per-rank losses, 1 for the global loss of DTensor inputs."""
-        self.reshard_after_backward = True
-        self.force_sum_reduction = False
-        self.is_last_backward = True
         self._gathered: dict[int, torch.Tensor] = {}
         self._views: dict[int, torch.Tensor] = {}
         self._unsharded = False
@@ -102,7 +99,7 @@ class FullyShardState:
             return outputs
         reshard = self.reshard_after_forward if self.reshard_after_forward is not None else not self.is_root
         copies = {key: (full, _free(full) if reshard else 0) for key, full in gathered.items()}
-        for_backward = _ForBackward(self, self.groups, copies, views)
+        for_backward = _ForBackward(self, copies, views)
         wrapped = _BeforeBackward.apply(for_backward, *(leaves[i] for i in needs_grad))  # type: ignore[no-untyped-call]
         for i, tensor in zip(needs_grad, wrapped):
             leaves[i] = tensor
@@ -226,7 +223,6 @@ class _ForBackward:
     """One forward's gathered copies (maybe freed), to refill and shadow again when its backward starts."""
 
     state: FullyShardState
-    groups: tuple[FlatGroup, ...]
     copies: dict[int, tuple[torch.Tensor, int]]
     """By ``id`` of the parameter: the gathered local tensor and its freed storage size (0: not freed)."""
     views: dict[int, torch.Tensor]
@@ -237,7 +233,7 @@ class _ForBackward:
             return
         with torch.no_grad():
             fresh: dict[int, torch.Tensor] = {}
-            for group in self.groups:
+            for group in self.state.groups:
                 shards = [local_shard(p.parameter) for p in group.params]
                 fresh.update(zip((id(p.parameter) for p in group.params), group.gather_values(shards)))
             for key, (local, nbytes) in self.copies.items():

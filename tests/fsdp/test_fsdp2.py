@@ -245,6 +245,11 @@ def local_lookup_same_mesh() -> dict[str, Any]:
     fully_shard(model.emb, mesh=world)
     fully_shard(model.mlp, mesh=world)
     fully_shard(model, mesh=world)
+    return train_same_mesh(model, world)
+
+
+def train_same_mesh(model: nn.Module, world: DeviceMesh) -> dict[str, Any]:
+    """Two AdamW steps in spmd's layout: the batch a DTensor sharded over dp, the global loss."""
     optimizer = make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -475,19 +480,7 @@ def checkpointed_same_mesh(how: str) -> dict[str, Any]:
     for block in model.layers:
         fully_shard(block, mesh=world)
     fully_shard(model, mesh=world)
-    optimizer = make_optimizer(model)
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = (
-            distribute_tensor(t, world, [Shard(0), Replicate()], src_data_rank=None) for t in batch(step)
-        )
-        with loss_parallel():
-            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
-            loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.full_tensor().item())
-    return {"losses": losses, "params": {name: p.full_tensor() for name, p in model.named_parameters()}}
+    return train_same_mesh(model, world)
 
 
 @pytest.mark.parametrize("how", ["full", "wrapper", "selective"])
