@@ -1,13 +1,9 @@
 """DCP's save and load protocol driven over one of our communicators, for the threaded world.
 
 ``dcp.save`` and ``dcp.load`` coordinate ranks with c10d object collectives on a process group.
-Ranks of ``spmd.testing.run_threaded`` are threads of one process with no c10d group, so those
-collectives cannot run. The alternatives do not work either:
-
-- ``no_dist=True`` makes every rank its own coordinator over a world of one: each would write its
-  data under the same file names (``__0_0.distcp``) and its own ``.metadata`` over the others'.
-- a c10d process group per threaded world is process-global state in c10d (one default group, one
-  rank per process), which threads cannot share; faking it means patching c10d.
+On ``spmd.testing.run_threaded`` they work through the threaded world's c10d default group, but only
+while the process has no default group of its own. ``spmd.checkpoint.save``/``load`` must work on
+threads in any process, so on threads they coordinate over spmd's own communicator instead.
 
 So this module runs the same steps ``dcp.save``/``dcp.load`` run, calling DCP's real planner and
 storage objects (``DefaultSavePlanner``, ``FileSystemWriter``, ...) and moving their plans with

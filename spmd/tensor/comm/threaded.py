@@ -30,6 +30,7 @@ from spmd.tensor.comm.base import (
     reduce_stack,
     use_world,
 )
+from spmd.tensor.comm.threaded_c10d import ThreadedProcessGroup, default_group_of, new_process_group
 
 __all__ = [
     "ThreadedWorld",
@@ -94,10 +95,14 @@ class ThreadedWorld(World):
         self.size = size
         self.timeout = timeout
         self._lock = threading.Lock()
+        self._lock_groups = threading.Lock()
         self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
         self._next_seq: dict[tuple[tuple[int, ...], int], int] = {}
         self._communicators: dict[tuple[int, ...], ThreadedCommunicator] = {}
+        self._process_groups: dict[tuple[int, ...], ThreadedProcessGroup] = {}
         self._failure: tuple[int, BaseException] | None = None
+        self.is_default_group = False
+        """Whether this world is c10d's default group (``run_threaded`` makes it so when it can)."""
 
     def current_rank(self) -> int:
         rank = getattr(_current, "rank", None)
@@ -105,12 +110,31 @@ class ThreadedWorld(World):
             raise RuntimeError("this thread is not a rank of the threaded world; call it from run_threaded")
         return int(rank)
 
+    def rank_or_none(self) -> int | None:
+        """The calling thread's rank if it is a rank of this world, else None."""
+        return _current.rank if getattr(_current, "world", None) is self else None
+
     def communicator(self, ranks: tuple[int, ...]) -> ThreadedCommunicator:
         comm = self._communicators.get(ranks)
         if comm is None:
             with self._lock:
                 comm = self._communicators.setdefault(ranks, ThreadedCommunicator(self, ranks))
         return comm
+
+    def process_group(self, ranks: tuple[int, ...]) -> ThreadedProcessGroup:
+        """The c10d process group over ``ranks`` (the calling rank among them), made on first use."""
+        group = self._process_groups.get(ranks)
+        if group is None:
+            with self._lock_groups:
+                group = self._process_groups.get(ranks)
+                if group is None:
+                    group = self._process_groups[ranks] = new_process_group(self, ranks, self.is_default_group)
+        return group
+
+    def adopt_group(self, group: Any) -> tuple[int, ...]:
+        if isinstance(group, ThreadedProcessGroup):
+            return self.communicator(group.communicator.ranks).ranks
+        return super().adopt_group(group)
 
     def create_groups(self, groups: list[tuple[int, ...]], *, timeout_s: float | None = None) -> None:
         for ranks in groups:
@@ -242,6 +266,18 @@ class ThreadedCommunicator(Communicator):
     def local_rank(self) -> int:
         return self.ranks.index(self.world.current_rank())
 
+    @property
+    def group(self) -> ThreadedProcessGroup:
+        """This group as a c10d ``ProcessGroup`` (what ``mesh.get_group()`` returns on threads)."""
+        return self.world.process_group(self.ranks)
+
+    def exchange(self, kind: str, value: Any) -> list[Any]:
+        """Every member's ``value`` for this ``kind`` of round, in group order (the c10d groups' primitive).
+
+        Values are passed as they are: a member that later writes to what it sent must send a copy.
+        """
+        return self.world.exchange(self.ranks, kind, value, mesh_dim=self.mesh_dim, timeout_s=self.timeout_s, comm=self)
+
     def _exchange(self, kind: str, value: Any) -> list[Any]:
         # Send a snapshot, as a wire would: a fast rank may overwrite its input right after the
         # collective returns, while a slower one is still reading it.
@@ -330,9 +366,20 @@ def _run_ranks(
         finally:
             _current.world = _current.rank = None
 
+    with default_group_of(world) as world.is_default_group:
+        _start_and_join(world, rank_main, timeout)
+    if world.failure is not None:
+        rank, error = world.failure
+        if hasattr(error, "add_note"):
+            error.add_note(f"raised on rank {rank} of a threaded world of {world_size}")
+        raise error
+
+
+def _start_and_join(world: ThreadedWorld, rank_main: Callable[[int], None], timeout: float) -> None:
+    """One thread per rank; wait while they make progress, and at most ``timeout`` after one fails."""
     threads = [
         threading.Thread(target=rank_main, args=(rank,), name=f"spmd-rank-{rank}", daemon=True)
-        for rank in range(world_size)
+        for rank in range(world.size)
     ]
     for thread in threads:
         thread.start()
@@ -346,8 +393,3 @@ def _run_ranks(
                 give_up_at = time.monotonic() + timeout
             if give_up_at is not None and time.monotonic() > give_up_at:
                 break
-    if world.failure is not None:
-        rank, error = world.failure
-        if hasattr(error, "add_note"):
-            error.add_note(f"raised on rank {rank} of a threaded world of {world_size}")
-        raise error
