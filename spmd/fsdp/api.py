@@ -87,10 +87,14 @@ def fully_shard(
     dp_mesh = mesh if mesh.ndim == 1 else _dp_sub_mesh(mesh, dp)
     reshard = None if reshard_after_forward is None else bool(reshard_after_forward)
     state = FullyShardState(mesh, dp_mesh, params, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # Compiling the module itself (torchtitan's per-block ``block.compile()``) runs its hooks as frames
+    # of their own: they gather and free parameters eagerly, outside any graph, as FSDP2's do.
+    before_forward = torch.compiler.disable(state.before_forward, recursive=True)  # type: ignore[no-untyped-call]
+    after_forward = torch.compiler.disable(state.after_forward, recursive=True)  # type: ignore[no-untyped-call]
     for m in modules:
-        m.register_forward_pre_hook(state.before_forward, with_kwargs=True)
+        m.register_forward_pre_hook(before_forward, with_kwargs=True)
         # with_kwargs and always_call: un-shadow even if forward raises
-        m.register_forward_hook(state.after_forward, with_kwargs=True, always_call=True)
+        m.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
         setattr(m, _STATE_ATTR, state)
         as_fsdp_module(m)
     return module

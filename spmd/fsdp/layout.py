@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from spmd.tensor.mesh_layout import DimLayout, canonical, overlaps
 from spmd.tensor.placement import _is_shard_like, _StridedShard, shard_sizes
 
 __all__ = [
@@ -217,18 +218,10 @@ def _shard_on_same_mesh(
     return ShardedParameter(module, name, sharded, dp, k, gathered_shape, gathered, global_loss)
 
 
-def _root_dim_of(mesh: DeviceMesh, dim: int, root: DeviceMesh) -> int | None:
-    """The one dim of ``root`` that dim ``dim`` of the sub-mesh ``mesh`` runs along (None: several or none).
-
-    Read off the ranks, so that a dim renamed by ``_flatten`` (torchtitan's ``dp_shard_cp`` over one
-    dim) is found too.
-    """
-    ranks = mesh.mesh.movedim(dim, 0).reshape(mesh.size(dim), -1)[:, 0].tolist()
-    coordinates = [tuple(int(c) for c in (root.mesh == rank).nonzero()[0].tolist()) for rank in ranks]
-    varying = [d for d in range(root.ndim) if len({c[d] for c in coordinates}) > 1]
-    if not varying and mesh.mesh_dim_names and mesh.mesh_dim_names[dim] in (root.mesh_dim_names or ()):
-        return (root.mesh_dim_names or ()).index(mesh.mesh_dim_names[dim])  # a dim of one rank: by name
-    return varying[0] if len(varying) == 1 else None
+def _major_first(layout: DimLayout) -> tuple[int, int]:
+    """Sort key putting mesh dims in the root's row-major order; a dim of one rank first (it cuts nothing)."""
+    axes = canonical(layout)
+    return (1, -max(stride for _, stride in axes)) if axes else (0, 0)
 
 
 def _shard_on_sibling_mesh(
@@ -243,14 +236,18 @@ def _shard_on_sibling_mesh(
     )
     if mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root == mesh:
         raise ValueError(f"fully_shard: parameter {where} is a DTensor on {tp_mesh}, not on {mesh}; {fix}")
-    root_names = root.mesh_dim_names or ()
-    dims = [_root_dim_of(m, d, root) for m, d in ((mesh, 0), *((tp_mesh, d) for d in range(tp_mesh.ndim)))]
-    if None in dims or len(set(dims)) != len(dims) or len(root_names) != root.ndim:
+    # Each sub-mesh dim's place in the root's rank list (mesh_layout.py), so that dims cut from the
+    # root by slicing, _flatten (torchtitan's dp_shard_cp) or _unflatten (torchtitan's fsdp and tp,
+    # from one 1-d world mesh, in two calls) combine alike.
+    layouts = [mesh._layout[0], *tp_mesh._layout]
+    names = [*(mesh.mesh_dim_names or ("",)), *(tp_mesh.mesh_dim_names or ("",) * tp_mesh.ndim)]
+    overlapping = any(overlaps(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :])
+    if overlapping or len(set(names)) != len(names) or "" in names:
         raise ValueError(
             f"fully_shard: parameter {where} lives on {tp_mesh}, which overlaps fully_shard's mesh {mesh} or "
-            f"spans several dims of {root} in one; {fix}"
+            f"shares a dim name with it; {fix}"
         )
-    dp_root, *tp_root_dims = (d for d in dims if d is not None)
+    order = sorted(range(len(layouts)), key=lambda d: _major_first(layouts[d]))  # 0 is dp, 1.. tp's dims
     placements = tuple(param.placements)
     _check_placements(placements, where)
     n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
@@ -258,18 +255,18 @@ def _shard_on_sibling_mesh(
     # By default the first dim tp does not cut (so the optimizer's elementwise ops stay local, where a
     # _StridedShard would be gathered first); none long enough: whole over dp, its gradient all-reduced.
     k = requested if requested is not None else dp_shard_dim(gathered_local.shape, placements, -1, n)
-    by_root: dict[int, Placement] = dict(zip(tp_root_dims, placements))
-    order = sorted([dp_root, *tp_root_dims])
     split = 1  # the later mesh dims cutting dim k: dp cuts right to left then (torch's _StridedShard)
-    for d in order:
-        p = by_root.get(d)
-        if k is not None and d > dp_root and p is not None and _is_shard_like(p) and p.dim == k:
-            split *= root.size(d)
+    for d in order[order.index(0) + 1 :]:
+        p = placements[d - 1]
+        if k is not None and _is_shard_like(p) and p.dim == k:
+            split *= tp_mesh.size(d - 1)
     dp_placement: Placement = (
         Replicate() if k is None else (_StridedShard(k, split_factor=split) if split > 1 else Shard(k))
     )
-    full_mesh = root if len(order) == root.ndim else root[tuple(root_names[d] for d in order)]
-    full_placements = tuple(dp_placement if d == dp_root else by_root[d] for d in order)
+    full_layouts, full_names = tuple(layouts[d] for d in order), tuple(names[d] for d in order)
+    same_as_root = [canonical(layout) for layout in full_layouts] == [canonical(layout) for layout in root._layout]
+    full_mesh = root if same_as_root else root._slice(full_layouts, full_names)  # the root: under its names
+    full_placements = tuple(dp_placement if d == 0 else placements[d - 1] for d in order)
     with torch.no_grad():
         if k is None:
             piece = gathered_local.clone()
@@ -281,6 +278,4 @@ def _shard_on_sibling_mesh(
         )
     gathered = GatheredLayout(tp_mesh, placements, tuple(param.shape), tuple(param.stride()), None)
     sharded = nn.Parameter(sharded_local, requires_grad=param.requires_grad)
-    return ShardedParameter(
-        module, name, sharded, order.index(dp_root), k, tuple(gathered_local.shape), gathered, False
-    )
+    return ShardedParameter(module, name, sharded, order.index(0), k, tuple(gathered_local.shape), gathered, False)

@@ -151,6 +151,42 @@ def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(flattened: boo
     assert result["first_norm"] == pytest.approx(expected_norm, rel=1e-5)
 
 
+def unflattened_meshes_run(dp: int) -> dict[str, Any]:
+    """torchtitan's meshes: tp and fsdp from two _unflatten calls on a 1-d world mesh (fsdp may be 1 wide)."""
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    tp_mesh = world._unflatten(0, (4 // 2, 2), ("batch", "tp"))["tp"]
+    fsdp_mesh = world._unflatten(0, (4 // 2 // dp, dp, 2), ("dp_replicate", "fsdp", "tp"))["fsdp"]
+    model = parallelize_module(build_model(), tp_mesh, FSDP2_TP_PLAN)
+    return train_fsdp2(model, world, dp_mesh=fsdp_mesh)
+
+
+@pytest.mark.parametrize("dp", [2, 1])
+def test_tp_and_fully_shard_on_meshes_unflattened_from_a_1d_world(dp: int) -> None:
+    """The sharded parameter lives on the two sub-meshes' dims of the world, dp major (its ranks' order)."""
+    per_rank = run_threaded(unflattened_meshes_run, 4, dp)
+    check(per_rank, build_model(), dp)
+    assert per_rank[0]["meshes"]["layers.0.attn.q.weight"] == ("fsdp", "tp")
+    placement = Shard(1) if dp == 2 else Replicate()  # one dp rank: nothing to cut
+    assert per_rank[0]["placements"]["layers.0.attn.q.weight"] == (placement, Shard(0))
+
+
+def compiled_module_run(compile_blocks: bool) -> dict[str, Any]:
+    model = build_model()
+    if compile_blocks:
+        for block in model.layers:
+            block.compile(backend="aot_eager", fullgraph=True)  # torchtitan's per-block compile: the module
+    return train_fsdp2(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+
+
+def test_blocks_compiled_as_modules_run_the_fully_shard_hooks_eagerly() -> None:
+    """Compiling the module compiles its hooks' frames too; fully_shard's run eagerly, as FSDP2's."""
+    compiled, eager = run_threaded(compiled_module_run, 2, True), run_threaded(compiled_module_run, 2, False)
+    for got, want in zip(compiled, eager):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, msg=name, **TOL)  # type: ignore[arg-type]
+
+
 def default_mesh_run() -> dict[str, Any]:
     seen: list[torch.Tensor] = []
     model = build_model()

@@ -1,0 +1,325 @@
+"""torchtitan 0.3.0's llama3, built and parallelised by torchtitan's own code on spmd, equals one device.
+
+``torchtitan_setup`` redirects torchtitan's ``torch.distributed.tensor`` imports to spmd (so it is
+imported before torchtitan). Each scenario trains the llama3 debug model, shrunk for CPU, for two
+steps the way torchtitan's Trainer does (sum loss over the global token count, gradient clipping,
+its AdamW container) on a world of 4 ranks, and every rank compares the losses and gradient norms
+of both steps, the gradients after step 1 and the parameters after step 2 with one device.
+The same scenario functions run on rank threads and on gloo processes.
+"""
+
+from __future__ import annotations
+
+# First: torchtitan must be imported through the redirect (in pytest and in each gloo process).
+import torchtitan_setup  # noqa: F401
+
+# isort: split
+
+import dataclasses
+import threading
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torchtitan.components.checkpointer.base import ModelWrapper
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import Llama3Model, llama3_configs, parallelize_llama
+
+import spmd.checkpoint
+from spmd.tensor import DTensor, Partial
+from spmd.testing import run_multiprocess, run_threaded
+
+WORLD = 4
+N_LAYERS = 2
+VOCAB = 512
+BATCH = 4
+SEQ = 16
+MAX_NORM = 1.0
+LR = 1e-3
+EPS = 1e-5
+"""Adam divides by sqrt(v) + eps: with torch's 1e-8, gradients that are rounding noise around zero
+take steps of ~lr whose sign is the noise's; 1e-5 keeps them small."""
+TOLERANCE = 1e-5
+"""Largest difference from one device, relative to the largest magnitude of the value compared."""
+
+
+# ----- the model and one training run, as torchtitan's Trainer does them -----------------------
+def model_config(parallelism: ParallelismConfig) -> Llama3Model.Config:
+    """torchtitan's llama3 "debugmodel", shrunk for CPU: fewer layers, a smaller vocabulary, short RoPE,
+    and causal SDPA for the inner attention (FlexAttention has no backward on CPU)."""
+    config = llama3_configs["debugmodel"](attn_backend="flex")
+    config.layers = config.layers[:N_LAYERS]
+    config.vocab_size = config.tok_embeddings.num_embeddings = config.lm_head.out_features = VOCAB
+    for layer in config.layers:
+        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ)
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))  # its sharding config
+    return config
+
+
+_GLOBAL_RNG = threading.Lock()
+"""Rank threads share torch's global generator, which torchtitan's init draws from: one rank at a time."""
+
+
+def build_model(parallelism: ParallelismConfig) -> Llama3Model:
+    """The model with torchtitan's own initialisation, from seed 0: the same weights on every rank."""
+    with _GLOBAL_RNG:
+        torch.manual_seed(0)
+        model = model_config(parallelism).build()
+        model.init_states(buffer_device=None)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a scenario parallelises the model, in torchtitan's terms."""
+
+    dp_shard: int = 1
+    tp: int = 1
+    selective_ac: bool = False
+    compile: bool = False
+
+    def parallelism(self) -> ParallelismConfig:
+        return ParallelismConfig(
+            data_parallel_shard_degree=self.dp_shard,
+            tensor_parallel_degree=self.tp,
+            enable_sequence_parallel=True,  # with tp: sequence parallel, and the loss is vocab-parallel
+            spmd_backend="partial_dtensor",  # torchtitan's DTensor backend (TP and FSDP2 DTensors)
+        )
+
+
+def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
+    """The model built and parallelised by torchtitan: its ParallelDims and meshes, its parallelize_llama."""
+    parallelism = layout.parallelism()
+    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_shard * layout.tp)
+    parallel_dims.build_mesh()
+    model = build_model(parallelism)
+    parallelize_llama(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(enable=layout.compile, backend="aot_eager"),
+        ac_config=SelectiveAC.Config() if layout.selective_ac else None,  # type: ignore[arg-type]
+        dump_folder="",
+    )
+    return model, parallel_dims
+
+
+def optimizer_for(model: torch.nn.Module) -> OptimizersContainer:
+    """torchtitan's optimizer container: one AdamW over every parameter."""
+    group = ParamGroupConfig(
+        pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": LR, "eps": EPS, "weight_decay": 0.1}
+    )
+    config = OptimizersContainer.Config(param_groups=[group], implementation="for-loop")
+    return OptimizersContainer(config, model_parts=[model])
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: (tokens, labels), each [BATCH, SEQ]."""
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: OptimizersContainer, step: int, parallel_dims: ParallelDims | None
+) -> dict[str, float]:
+    """Step ``step`` (1 or 2) of torchtitan's Trainer.train_step; returns the global loss and the gradient norm."""
+    tokens, labels = batch(step)
+    global_tokens = labels.numel()
+    dp = parallel_dims is not None and parallel_dims.dp_enabled
+    if dp:  # each dp rank its own rows of the global batch
+        batch_mesh = parallel_dims.get_mesh("batch")
+        tokens = tokens.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
+        labels = labels.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
+    positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
+    optimizer.zero_grad()
+    loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens, positions), labels, torch.tensor(global_tokens))
+    loss.backward()
+    grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
+    optimizer.step()
+    # torchtitan sums the loss (and counts the global tokens) over a mesh with dist_utils.dist_sum, which
+    # hands the mesh to torch's functional collectives: they take only torch's DeviceMesh
+    # (test_torchtitan_dist_sum_over_a_mesh). spmd sums with a Partial DTensor instead.
+    global_loss = DTensor.from_local(loss.detach(), parallel_dims.get_mesh("loss"), [Partial()]) if dp else loss
+    return {f"loss of step {step}": full(global_loss).item(), f"gradient norm of step {step}": full(grad_norm).item()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def canonical(name: str) -> str:
+    """A parameter's name without the wrapper activation checkpointing adds."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {canonical(name): full(p.grad) for name, p in model.named_parameters()}
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {canonical(name): full(p) for name, p in model.named_parameters()}
+
+
+Trained = dict[str, Any]
+"""The loss and gradient norm of each step ("metrics"), gradients after step 1, parameters after step 2."""
+
+
+def train(layout: Layout | None) -> Trained:
+    """Two training steps on ``layout`` (None: one device)."""
+    dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's Trainer does, from its config
+    model, parallel_dims = (build_model(ParallelismConfig()), None) if layout is None else parallelized(layout)
+    optimizer = optimizer_for(model)
+    metrics = train_step(model, optimizer, 1, parallel_dims)
+    step1_grads = grads(model)
+    metrics |= train_step(model, optimizer, 2, parallel_dims)
+    return {"metrics": metrics, "grads": step1_grads, "params": params(model)}
+
+
+# ----- the scenarios ---------------------------------------------------------------------------
+def tp_sp_loss_parallel(workdir: str) -> Trained:
+    """Tensor parallel over all 4 ranks, sequence parallel, vocab-parallel embedding and loss."""
+    return train(Layout(tp=WORLD))
+
+
+def fsdp_x_tp(workdir: str) -> Trained:
+    """torchtitan's 2-d layout: TP on its tp mesh, FSDP2 (spmd.fsdp) on its fsdp mesh."""
+    return train(Layout(dp_shard=2, tp=2))
+
+
+def selective_ac(workdir: str) -> Trained:
+    """FSDP x TP with torchtitan's per-op selective activation checkpointing of every block."""
+    return train(Layout(dp_shard=2, tp=2, selective_ac=True))
+
+
+def compiled(workdir: str) -> Trained:
+    """FSDP x TP with torchtitan's per-block torch.compile (aot_eager: no C++ compiler needed)."""
+    return train(Layout(dp_shard=2, tp=2, compile=True))
+
+
+def checkpoint_saved(workdir: str) -> Trained:
+    """Step 1 on dp=2 x tp=2, then torchtitan's model and optimizer Statefuls saved with DCP."""
+    dist_utils.set_spmd_backend("partial_dtensor")
+    model, parallel_dims = parallelized(Layout(dp_shard=2, tp=2))
+    optimizer = optimizer_for(model)
+    metrics = train_step(model, optimizer, 1, parallel_dims)
+    spmd.checkpoint.save({"model": ModelWrapper(model), "optimizer": optimizer}, f"{workdir}/checkpoint")
+    return {"metrics": metrics, "grads": grads(model)}
+
+
+def checkpoint_resumed(workdir: str) -> Trained:
+    """A later run: the model parallelised on tp=4, the checkpoint loaded into it, step 2."""
+    dist_utils.set_spmd_backend("partial_dtensor")
+    model, parallel_dims = parallelized(Layout(tp=WORLD))
+    optimizer = optimizer_for(model)
+    spmd.checkpoint.load({"model": ModelWrapper(model), "optimizer": optimizer}, f"{workdir}/checkpoint")
+    return {"metrics": train_step(model, optimizer, 2, parallel_dims), "params": params(model)}
+
+
+SCENARIOS: dict[str, Callable[[str], Trained]] = {
+    scenario.__name__: scenario
+    for scenario in (tp_sp_loss_parallel, fsdp_x_tp, selective_ac, compiled, checkpoint_saved, checkpoint_resumed)
+}
+
+
+# ----- comparing with one device ---------------------------------------------------------------
+def differences(trained: Trained, reference: Trained) -> dict[str, float]:
+    """Each compared value's largest difference from one device, relative to its largest magnitude."""
+    out = {
+        name: abs(got - reference["metrics"][name]) / abs(reference["metrics"][name])
+        for name, got in trained["metrics"].items()
+    }
+    for kind in ("grads", "params"):
+        if kind not in trained:
+            continue
+        assert trained[kind].keys() == reference[kind].keys(), f"{kind}: other parameter names"
+        for name, want in reference[kind].items():
+            got = trained[kind][name]
+            assert got.shape == want.shape, f"{kind} {name}: shape {tuple(got.shape)}, one device {tuple(want.shape)}"
+            out[f"{kind} {name}"] = ((got - want).abs().max() / want.abs().max()).item()
+    return out
+
+
+def compare(scenarios: list[str], reference: Trained, workdir: str) -> dict[str, dict[str, float]]:
+    """Run ``scenarios`` in turn on this rank; each one's differences from one device."""
+    return {name: differences(SCENARIOS[name](workdir), reference) for name in scenarios}
+
+
+def assert_equal_to_one_device(per_rank: list[dict[str, dict[str, float]]]) -> None:
+    for rank, per_scenario in enumerate(per_rank):
+        for scenario, diffs in per_scenario.items():
+            off = {what: d for what, d in diffs.items() if not d <= TOLERANCE}  # NaN is off too
+            assert not off, f"{scenario} on rank {rank} differs from one device (relative): {off}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> Trained:
+    return train(None)
+
+
+# spmd names a _flatten'ed dim (torchtitan's "loss_mesh") per mesh value, so every ParallelDims a world
+# builds must flatten it alike: one world runs the scenarios of one data-parallel degree
+# (test_parallel_dims_of_two_dp_degrees_in_one_world).
+DP2_TP2 = ["fsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
+TP4 = ["tp_sp_loss_parallel", "checkpoint_resumed"]
+
+
+@pytest.mark.parametrize("scenario", ["tp_sp_loss_parallel", "fsdp_x_tp", "selective_ac", "compiled"])
+def test_on_threads(scenario: str, reference: Trained, tmp_path: Path) -> None:
+    assert_equal_to_one_device(run_threaded(compare, WORLD, [scenario], reference, str(tmp_path)))
+
+
+def test_checkpoint_saved_on_one_mesh_resumed_on_another_on_threads(reference: Trained, tmp_path: Path) -> None:
+    """Saved by one run on dp=2 x tp=2, loaded by the next on tp=4."""
+    assert_equal_to_one_device(run_threaded(compare, WORLD, ["checkpoint_saved"], reference, str(tmp_path)))
+    assert_equal_to_one_device(run_threaded(compare, WORLD, ["checkpoint_resumed"], reference, str(tmp_path)))
+
+
+@pytest.mark.multiprocess
+def test_on_gloo_processes(reference: Trained, tmp_path: Path) -> None:
+    """Every scenario on 4 gloo processes (torch's c10d collectives, torch's dcp.save and dcp.load), in two
+    launches: the dp=2 x tp=2 scenarios ending with the save, then the tp=4 ones with the resume."""
+    for scenarios in (DP2_TP2, TP4):
+        assert_equal_to_one_device(run_multiprocess(compare, WORLD, scenarios, reference, str(tmp_path), timeout=600))
+
+
+def build_two_layouts() -> None:
+    for layout in (Layout(tp=WORLD), Layout(dp_shard=2, tp=2)):
+        ParallelDims.from_config(layout.parallelism(), WORLD).build_mesh()
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="spmd's _flatten names are per mesh value, torch's per mesh")
+def test_parallel_dims_of_two_dp_degrees_in_one_world() -> None:
+    """torch keeps each init_device_mesh's flattened dims apart; spmd shares them between equal meshes:
+
+    ValueError: a flattened dim 'loss_mesh' was already made from mesh dims ('batch', 'cp'); pass another
+    mesh_dim_name
+    """
+    run_threaded(build_two_layouts, WORLD)
+
+
+def dist_sum_over_the_loss_mesh() -> float:
+    parallel_dims = ParallelDims.from_config(Layout(dp_shard=2, tp=2).parallelism(), WORLD)
+    parallel_dims.build_mesh()
+    return dist_utils.dist_sum(torch.tensor(1.0), parallel_dims.get_mesh("loss"))
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason="torch's functional collectives take torch's DeviceMesh")
+def test_torchtitan_dist_sum_over_a_mesh() -> None:
+    """torchtitan's Trainer sums losses and token counts with funcol.all_reduce(x, group=mesh); with an
+    spmd mesh, on threads and on gloo alike:
+
+    ValueError: Unsupported group type: <class 'spmd.tensor.device_mesh.DeviceMesh'>, mesh(loss_mesh=2)
+    """
+    assert run_threaded(dist_sum_over_the_loss_mesh, WORLD) == [2.0] * WORLD
