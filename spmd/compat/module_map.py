@@ -10,7 +10,8 @@ Three kinds of torch module appear here:
   has no equivalent for. Importing one through the redirect raises ``NoSpmdEquivalentError``.
 
 Everything else (``torch.distributed.checkpoint``'s save and load, c10d, autograd, compile) is not
-DTensor code and always stays torch's.
+DTensor code and always stays torch's; the functional collectives are torch's behind a stand-in
+that also takes spmd meshes as groups.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ MODULES: dict[str, str] = {
     "torch.distributed._tensor.experimental": "spmd.tensor.experimental",
     "torch.distributed.device_mesh": "spmd.tensor.device_mesh",
     "torch.distributed.checkpoint.state_dict": "spmd.checkpoint.state_dict",
+    # torch's own functional collectives, taking spmd meshes as groups too
+    "torch.distributed._functional_collectives": "spmd.compat.functional_collectives",
     # FSDP2's old path: every name there is FSDP2's
     "torch.distributed._composable.fsdp": "spmd.fsdp",
     "torch.distributed._composable.fsdp.fully_shard": "spmd.fsdp",

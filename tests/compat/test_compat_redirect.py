@@ -285,3 +285,40 @@ def test_keep_torch_lets_a_package_import_torch_internals_it_will_not_use(third_
 def test_keep_torch_takes_only_modules_the_redirect_changes(third_party):
     with pytest.raises(RedirectError, match=r"'torch\.nn': not a torch DTensor module"):
         spmd.compat.redirect("anything", keep_torch=["torch.nn"])
+
+
+LOSS_SUM = '''
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def global_sums(value):
+    """torchtitan's dist_sum: a functional all_reduce over a mesh, as the group."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.tensor(float(value))
+    return (
+        funcol.all_reduce(x, "sum", group=mesh["dp"]).item(),
+        funcol.all_reduce(x, reduceOp="sum", group=(mesh, 1)).item(),
+        funcol.all_reduce(x, "sum", mesh.get_group("tp")).item(),
+    )
+'''
+
+
+def test_functional_collectives_take_spmd_meshes_as_groups(third_party):
+    pkg = third_party({"__init__.py": LOSS_SUM})
+    module = importlib.import_module(pkg)
+    assert run_threaded(lambda: module.global_sums(dist.get_rank()), 4) == [
+        (2.0, 1.0, 1.0),
+        (4.0, 1.0, 1.0),
+        (2.0, 5.0, 5.0),
+        (4.0, 5.0, 5.0),
+    ]
+    assert module.funcol.wait_tensor is torch.distributed._functional_collectives.wait_tensor  # the rest is torch's
+
+
+def test_a_2d_mesh_as_a_functional_collectives_group_names_the_fix(third_party):
+    pkg = third_party({"__init__.py": LOSS_SUM.replace('group=mesh["dp"]', "group=mesh")})
+    module = importlib.import_module(pkg)
+    with pytest.raises(ValueError, match=r"2-d .* pass \(mesh, dim\)"):
+        run_threaded(lambda: module.global_sums(0), 4)
