@@ -36,7 +36,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import Llama3Model, llama3_configs, parallelize_llama
 
 import spmd.checkpoint
-from spmd.tensor import DTensor, Partial
+from spmd.tensor import DTensor
 from spmd.testing import run_multiprocess, run_threaded
 
 WORLD = 4
@@ -136,23 +136,21 @@ def train_step(
 ) -> dict[str, float]:
     """Step ``step`` (1 or 2) of torchtitan's Trainer.train_step; returns the global loss and the gradient norm."""
     tokens, labels = batch(step)
-    global_tokens = labels.numel()
     dp = parallel_dims is not None and parallel_dims.dp_enabled
     if dp:  # each dp rank its own rows of the global batch
         batch_mesh = parallel_dims.get_mesh("batch")
         tokens = tokens.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
         labels = labels.chunk(batch_mesh.size())[batch_mesh.get_local_rank()]
+    local_tokens = torch.tensor(labels.numel())
+    global_tokens = dist_utils.dist_sum_tensor(local_tokens, batch_mesh) if dp else local_tokens
     positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
     optimizer.zero_grad()
-    loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens, positions), labels, torch.tensor(global_tokens))
+    loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens, positions), labels, global_tokens)
     loss.backward()
     grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
     optimizer.step()
-    # torchtitan sums the loss (and counts the global tokens) over a mesh with dist_utils.dist_sum, which
-    # hands the mesh to torch's functional collectives: they take only torch's DeviceMesh
-    # (test_torchtitan_dist_sum_over_a_mesh). spmd sums with a Partial DTensor instead.
-    global_loss = DTensor.from_local(loss.detach(), parallel_dims.get_mesh("loss"), [Partial()]) if dp else loss
-    return {f"loss of step {step}": full(global_loss).item(), f"gradient norm of step {step}": full(grad_norm).item()}
+    global_loss = dist_utils.dist_sum(loss.detach(), parallel_dims.get_mesh("loss")) if dp else loss.item()
+    return {f"loss of step {step}": global_loss, f"gradient norm of step {step}": full(grad_norm).item()}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -307,19 +305,3 @@ def test_parallel_dims_of_two_dp_degrees_in_one_world() -> None:
     mesh_dim_name
     """
     run_threaded(build_two_layouts, WORLD)
-
-
-def dist_sum_over_the_loss_mesh() -> float:
-    parallel_dims = ParallelDims.from_config(Layout(dp_shard=2, tp=2).parallelism(), WORLD)
-    parallel_dims.build_mesh()
-    return dist_utils.dist_sum(torch.tensor(1.0), parallel_dims.get_mesh("loss"))
-
-
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="torch's functional collectives take torch's DeviceMesh")
-def test_torchtitan_dist_sum_over_a_mesh() -> None:
-    """torchtitan's Trainer sums losses and token counts with funcol.all_reduce(x, group=mesh); with an
-    spmd mesh, on threads and on gloo alike:
-
-    ValueError: Unsupported group type: <class 'spmd.tensor.device_mesh.DeviceMesh'>, mesh(loss_mesh=2)
-    """
-    assert run_threaded(dist_sum_over_the_loss_mesh, WORLD) == [2.0] * WORLD
