@@ -203,7 +203,10 @@ def selective_ac(workdir: str) -> Trained:
 
 def compiled(workdir: str) -> Trained:
     """FSDP x TP with torchtitan's per-block torch.compile (aot_eager: no C++ compiler needed)."""
-    return train(Layout(dp_shard=2, tp=2, compile=True))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    trained = train(Layout(dp_shard=2, tp=2, compile=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs, "no block was compiled"
+    return trained
 
 
 def checkpoint_saved(workdir: str) -> Trained:
