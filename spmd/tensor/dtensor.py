@@ -39,6 +39,10 @@ from spmd.tensor.spec import (
 __all__ = ["DTensor", "DataDependentShapeError", "implicit_replication", "set_dispatch"]
 
 
+_FlatContext = tuple[DTensorSpec, bool, int | None, tuple[Placement, ...] | None]
+"""What ``__tensor_flatten__`` hands torch.compile: spec, requires_grad, rank thread, to_local()'s mark."""
+
+
 class DTensor(torch.Tensor):
     """A global tensor: ``shape`` is global, ``to_local()`` is this rank's shard."""
 
@@ -46,10 +50,12 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _copied_view: bool
     """A view whose input had to be redistributed first: it aliases a copy, so writes are refused."""
-    __slots__ = ["_copied_view", "_local_tensor", "_spec"]
-    _local_grad_placements: tuple[Placement, ...] | None = None
+    __slots__ = ["_copied_view", "_local_grad_placements", "_local_tensor", "_spec"]
+    _local_grad_placements: tuple[Placement, ...] | None
     """``to_local()``'s default ``grad_placements`` when set on an instance: fully_shard marks the gathered
-    copies it hands a module on a mesh with a dp dim, whose local gradient is each dp rank's contribution."""
+    copies it hands a module on a mesh with a dp dim, whose local gradient is each dp rank's contribution.
+    ``detach`` keeps it, and it is part of the compile context (``__tensor_flatten__``), so a compiled
+    forward sees it and a differently marked input recompiles."""
 
     # Run Python-level torch functions as plain tensor code; only aten ops reach the dispatcher.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -82,7 +88,7 @@ class DTensor(torch.Tensor):
         return result
 
     # ----- torch.compile: AOTAutograd takes a DTensor apart into its local shard and its spec -------
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool, int | None]]:
+    def __tensor_flatten__(self) -> tuple[list[str], _FlatContext]:
         """The inner tensor the compiler traces (the local shard) and the hashable context it guards on.
 
         The context holds the calling thread's rank in a threaded world (None elsewhere): a traced
@@ -91,7 +97,7 @@ class DTensor(torch.Tensor):
         """
         if not _dynamo_kept_out[0]:
             _keep_dynamo_out_of_dispatch()
-        return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank())
+        return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank(), self._local_grad_placements)
 
     def _stable_hash_for_caching(self) -> str:
         """The key torch.compile's on-disk caches file this input under (spmd/compile/cache_key.py)."""
@@ -100,21 +106,24 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(
         inner_tensors: dict[str, torch.Tensor],
-        context: tuple[DTensorSpec, bool, int | None],
+        context: _FlatContext,
         outer_size: Any,
         outer_stride: Any,
     ) -> DTensor:
-        spec, requires_grad, _ = context
+        spec, requires_grad, _, local_grad_placements = context
         meta = spec.tensor_meta
         if outer_size != meta.shape or outer_stride != meta.stride:  # torch.Size compares as a tuple
             spec = DTensorSpec(
                 spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), meta.dtype)
             )
-        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        made = DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+        if local_grad_placements is not None:
+            made._local_grad_placements = local_grad_placements
+        return made
 
     @classmethod
     def __metadata_guard__(
-        cls, expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]
+        cls, expected: _FlatContext, actual: _FlatContext
     ) -> bool:
         """torch.compile's check that a DTensor input still matches the graph it was traced for.
 
@@ -139,7 +148,7 @@ class DTensor(torch.Tensor):
         return self.redistribute(placements=grad_placements_for(self._spec.placements))
 
     def __coerce_same_metadata_as_tangent__(
-        self, context: tuple[DTensorSpec, bool, int | None], expected_type: Any = None
+        self, context: _FlatContext, expected_type: Any = None
     ) -> DTensor | None:
         """The runtime gradient laid out as the one the compiled backward was traced with."""
         if expected_type is not None:
@@ -149,13 +158,18 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         try:
-            return _dispatch[0](func, args, kwargs or {})
+            result = _dispatch[0](func, args, kwargs or {})
         except TypeError as error:
             # While torch.compile traces, an output shape that depends on values is a symbol, and a
             # spec (hashable, static) cannot hold it: say which op it was.
             if "SymInt" in str(error):
                 raise DataDependentShapeError(func) from error
             raise
+        if func is _DETACH and args[0]._local_grad_placements is not None:
+            # The same tensor without history keeps to_local()'s default: torch.compile fakes a
+            # non-leaf input (fully_shard's gathered copy) through a detach.
+            result._local_grad_placements = args[0]._local_grad_placements
+        return result
 
     # ----- indexing with Python lists ---------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
@@ -332,7 +346,7 @@ _COMPILE_LOGGER = logging.getLogger("spmd.compile")
 class CompiledInputMismatch(Exception):
     """A DTensor input's flatten context differs from the one a compiled graph was traced for."""
 
-    def __init__(self, expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]):
+    def __init__(self, expected: _FlatContext, actual: _FlatContext):
         super().__init__()
         self.expected, self.actual = expected, actual
 
@@ -341,10 +355,10 @@ class CompiledInputMismatch(Exception):
 
 
 def _describe_change(
-    expected: tuple[DTensorSpec, bool, int | None], actual: tuple[DTensorSpec, bool, int | None]
+    expected: _FlatContext, actual: _FlatContext
 ) -> str:
     """``spec f32[4,2] (S(0)) on mesh(d0=2) -> f32[4,2] (R) on mesh(d0=2)``: what a failed guard saw."""
-    names = ("spec", "requires_grad", "rank")
+    names = ("spec", "requires_grad", "rank", "to_local()'s gradient placements")
     return "; ".join(f"{name} {old} -> {new}" for name, old, new in zip(names, expected, actual) if old != new)
 
 
@@ -542,6 +556,8 @@ class _ToLocal(torch.autograd.Function):
         return DTensor(grad, grad_spec, requires_grad=False), None
 
 
+_DETACH = torch.ops.aten.detach.default
+
 _FROM_LOCAL_FIX = (
     "Replicate() promises the same values on every rank of that dim: pass the same values (the same seed, "
     "or from_local(..., run_check=True) to broadcast them), claim Partial() if each rank holds a part to be "
@@ -632,4 +648,5 @@ def wrap_result(
     r._local_tensor = local_tensor
     r._spec = spec
     r._copied_view = False
+    r._local_grad_placements = None
     return r

@@ -284,6 +284,19 @@ def local_lookup_same_mesh() -> dict[str, Any]:
     return train_same_mesh(model, world)
 
 
+def local_lookup_same_mesh_compiled() -> dict[str, Any]:
+    """The same, with the embedding compiled (AOTAutograd): its gathered weight reaches the graph as a
+    non-leaf input, which the compiler fakes through a detach; the gradient is still summed over dp."""
+    world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
+    model = EmbedAndHead()
+    _shard_embedding_columns(model, world)
+    fully_shard(model.emb, mesh=world)
+    fully_shard(model.mlp, mesh=world)
+    fully_shard(model, mesh=world)
+    model.emb.compile(backend="aot_eager")
+    return train_same_mesh(model, world)
+
+
 def train_same_mesh(model: nn.Module, world: DeviceMesh) -> dict[str, Any]:
     """Two AdamW steps in spmd's layout: the batch a DTensor sharded over dp, the global loss."""
     optimizer = make_optimizer(model)
@@ -302,7 +315,9 @@ def train_same_mesh(model: nn.Module, world: DeviceMesh) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "layout", [local_lookup_fsdp2, local_lookup_same_mesh], ids=["sibling-sub-meshes", "same-mesh"]
+    "layout",
+    [local_lookup_fsdp2, local_lookup_same_mesh, local_lookup_same_mesh_compiled],
+    ids=["sibling-sub-meshes", "same-mesh", "same-mesh-compiled"],
 )
 def test_gradients_through_to_local_inside_forward_are_summed_over_dp(layout: Callable[[], dict[str, Any]]) -> None:
     """The embedding's gradient reaches its gathered copy through ``to_local()``: as each dp rank's
