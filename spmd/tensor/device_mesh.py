@@ -29,13 +29,27 @@ _ENTERED_MESHES: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("spmd_entered_m
 MeshKey = tuple[Any, ...]
 """A mesh's value without its world: (device type, shape, ranks, dim names)."""
 
-# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey) -> {name: (layout,
-# names of the dims flattened)}. Keyed by the mesh's value, because equal meshes are interchangeable (a decision cached by one
-# rank thread may hand another rank a spec holding the first rank's mesh object), and by rank, because
-# rank threads reach their own `_flatten` calls at different times.
+# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey, root's ordinal) ->
+# {name: (layout, names of the dims flattened)}. As torch's, flattened names belong to one root mesh:
+# two init_device_mesh calls over the same ranks flatten apart. A root is named by its value and by
+# how many roots its rank had made before it, not by the object, because equal meshes are
+# interchangeable (a decision cached by one rank thread may hand another rank a spec holding the first
+# rank's mesh object), and every rank makes its meshes in the same order; by rank, because rank
+# threads reach their own `_flatten` calls at different times.
 Flattened = dict[str, tuple[DimLayout, tuple[str, ...]]]
-_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey], Flattened]] = weakref.WeakKeyDictionary()
+_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey, int], Flattened]] = weakref.WeakKeyDictionary()
+_ROOTS_MADE: weakref.WeakKeyDictionary[World, dict[int, int]] = weakref.WeakKeyDictionary()
+"""world -> rank -> how many root meshes that rank has made (names the next root's ordinal)."""
 _FLATTENED_LOCK = threading.Lock()
+
+
+def _next_root_ordinal(world: World) -> int:
+    """The ordinal of the root mesh the calling rank is making: how many it made before."""
+    rank = world.current_rank()
+    with _FLATTENED_LOCK:
+        made = _ROOTS_MADE.setdefault(world, {})
+        ordinal = made[rank] = made.get(rank, -1) + 1
+    return ordinal
 
 
 def current_mesh() -> DeviceMesh:
@@ -114,6 +128,7 @@ class DeviceMesh:
         self._root = _root
         self._layout = _layout if _layout is not None else root_layout(self._shape)
         self._key: MeshKey = (device_type, self._shape, self._flat, self.mesh_dim_names)
+        self._ordinal: int = _next_root_ordinal(self._world) if _root is None else _root._ordinal
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
         # communicators belong to different ranks.
         self._hash = hash((*self._key, id(self._world)))
@@ -417,7 +432,7 @@ class DeviceMesh:
 
     def _flattened_dims(self, *, create: bool = False) -> Flattened:
         """The dims the caller has flattened on this (root) mesh: name -> (layout, dims flattened)."""
-        key = (self._world.current_rank(), self._key)
+        key = (self._world.current_rank(), self._key, self._ordinal)
         per_world = _FLATTENED.get(self._world)
         if per_world is None:
             if not create:

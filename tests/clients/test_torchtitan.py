@@ -269,9 +269,7 @@ def reference() -> Trained:
     return train(None)
 
 
-# spmd names a _flatten'ed dim (torchtitan's "loss_mesh") per mesh value, so every ParallelDims a world
-# builds must flatten it alike: one world runs the scenarios of one data-parallel degree
-# (test_parallel_dims_of_two_dp_degrees_in_one_world).
+# The gloo launches: the save's run, then a later run that resumes (one world each, as on threads).
 DP2_TP2 = ["fsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
 TP4 = ["tp_sp_loss_parallel", "checkpoint_resumed"]
 
@@ -300,11 +298,7 @@ def build_two_layouts() -> None:
         ParallelDims.from_config(layout.parallelism(), WORLD).build_mesh()
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason="spmd's _flatten names are per mesh value, torch's per mesh")
 def test_parallel_dims_of_two_dp_degrees_in_one_world() -> None:
-    """torch keeps each init_device_mesh's flattened dims apart; spmd shares them between equal meshes:
-
-    ValueError: a flattened dim 'loss_mesh' was already made from mesh dims ('batch', 'cp'); pass another
-    mesh_dim_name
-    """
+    """As on torch, each init_device_mesh keeps its own _flatten'ed dims (torchtitan's "loss_mesh" is
+    flattened from other dims at each data-parallel degree)."""
     run_threaded(build_two_layouts, WORLD)

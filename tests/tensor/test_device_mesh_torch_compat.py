@@ -78,6 +78,21 @@ class FlattenTest(DTensorTestBase):
             mesh["a", "b"]["ab"]
 
     @with_comms
+    def test_flattened_names_belong_to_their_root_mesh(self) -> None:
+        """As torch's: a second mesh over the same ranks flattens its own dims under the same name
+        (torchtitan builds a ParallelDims per run; a test builds several in one world)."""
+        first = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        second = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        self.assertEqual(first, second)  # equal values, still two roots
+        ab = first["a", "b"]._flatten("x")
+        bc = second["b", "c"]._flatten("x")
+        self.assertEqual(first["x"], ab)
+        self.assertEqual(second["x"], bc)
+        self.assertNotEqual(ab.mesh.tolist(), bc.mesh.tolist())
+        with self.assertRaisesRegex(KeyError, "x"):
+            init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))["x"]
+
+    @with_comms
     def test_reductions_over_a_flattened_dim_are_one_collective(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         ones_ = torch.ones(8, 8)
