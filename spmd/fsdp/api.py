@@ -8,7 +8,13 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from spmd.fsdp.layout import ShardedParameter, ShardPlacementFn, resolve_dp_mesh_dim, shard_parameter
+from spmd.fsdp.layout import (
+    DP_MESH_DIM_NAME,
+    ShardedParameter,
+    ShardPlacementFn,
+    resolve_dp_mesh_dim,
+    shard_parameter,
+)
 from spmd.fsdp.module import _STATE_ATTR, FSDPModule, as_fsdp_module, fully_shard_state
 from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FullyShardState
@@ -55,8 +61,11 @@ def fully_shard(
 
     ``mesh`` (None: a 1-d mesh over the world) is the dp mesh, or an n-d mesh whose dp dim
     ``dp_mesh_dims=DataParallelMeshDims(shard=name)`` or ``dp_mesh_dim`` (name or index; spmd's)
-    names, by default the dim called ``"dp"``. ``reshard_after_forward`` (None: True except on
-    the root) frees the gathered parameters after forward (gathered again for backward).
+    names, by default the dim called ``"dp"``. A named 2-d mesh with no dim called ``"dp"`` (and
+    neither option) is FSDP2's HSDP: plain parameters sharded over dim 1 and replicated over dim 0,
+    gradients reduce-scattered over dim 1, then all-reduced over dim 0. ``reshard_after_forward``
+    (None: True except on the root) frees the gathered parameters after forward (gathered again
+    for backward).
     ``shard_placement_fn(param)`` may return ``Shard(k)`` to cut dim ``k``. ``mp_policy`` sets the
     gathered and reduce dtypes. ``ignored_params`` stay as they are, unmanaged.
     """
@@ -69,7 +78,8 @@ def fully_shard(
     mesh = _default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}")
-    dp = resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
+    hsdp = dp_mesh_dims is None and dp_mesh_dim is None and _is_hsdp_mesh(mesh)
+    dp = 1 if hsdp else resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
     _check_policies(reshard_after_forward, mp_policy, offload_policy, mesh)
     for m in modules:
         if fully_shard_state(m) is not None:
@@ -79,14 +89,17 @@ def fully_shard(
         (id(m), name): (m, name, p) for root in modules for m in root.modules() for name, p in m._parameters.items()
     }
     try:
-        params = _shard_owned_parameters(modules, mesh, dp, ignored, shard_placement_fn)
+        params = _shard_owned_parameters(modules, mesh, dp, ignored, shard_placement_fn, hsdp)
     except Exception:
         for m, name, param in originals.values():  # bad input leaves the module as it was
             m._parameters[name] = param
         raise
     dp_mesh = mesh if mesh.ndim == 1 else _dp_sub_mesh(mesh, dp)
+    replicate_mesh = _dp_sub_mesh(mesh, 0) if hsdp else None
     reshard = None if reshard_after_forward is None else bool(reshard_after_forward)
-    state = FullyShardState(mesh, dp_mesh, params, reshard_after_forward=reshard, mp_policy=mp_policy)
+    state = FullyShardState(
+        mesh, dp_mesh, params, replicate_mesh=replicate_mesh, reshard_after_forward=reshard, mp_policy=mp_policy
+    )
     # Compiling the module itself (torchtitan's per-block ``block.compile()``) runs its hooks as frames
     # of their own: they gather and free parameters eagerly, outside any graph, as FSDP2's do.
     before_forward = torch.compiler.disable(state.before_forward, recursive=True)  # type: ignore[no-untyped-call]
@@ -116,6 +129,12 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device, (current_world(device).size,))
 
 
+def _is_hsdp_mesh(mesh: DeviceMesh) -> bool:
+    """FSDP2's rule for a 2-d mesh: (replicate, shard); spmd's dim called "dp" takes precedence."""
+    names = mesh.mesh_dim_names
+    return mesh.ndim == 2 and names is not None and DP_MESH_DIM_NAME not in names
+
+
 def _dp_dim_name(dims: DataParallelMeshDims | None, dp_mesh_dim: int | str | None) -> int | str | None:
     if dims is None:
         return dp_mesh_dim
@@ -123,7 +142,8 @@ def _dp_dim_name(dims: DataParallelMeshDims | None, dp_mesh_dim: int | str | Non
         raise ValueError("fully_shard takes dp_mesh_dims= or spmd's dp_mesh_dim=, not both")
     if dims.replicate is not None:
         raise NotImplementedError(
-            "fully_shard: HSDP (DataParallelMeshDims(replicate=...)) is not supported by spmd; shard over one dp dim"
+            "fully_shard: HSDP by DataParallelMeshDims(replicate=...) is not supported by spmd; pass the 2-d "
+            'dp mesh itself, replicate dim first (fully_shard(module, mesh=world["dp_replicate", "dp_shard"]))'
         )
     if not isinstance(dims.shard, str):
         raise NotImplementedError(
@@ -159,7 +179,12 @@ def _dp_sub_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
 
 
 def _shard_owned_parameters(
-    modules: Sequence[nn.Module], mesh: DeviceMesh, dp: int, ignored: set[int], placement_fn: ShardPlacementFn | None
+    modules: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    dp: int,
+    ignored: set[int],
+    placement_fn: ShardPlacementFn | None,
+    hsdp: bool,
 ) -> list[ShardedParameter]:
     """Shard the parameters of the modules' subtrees outside fully_shard'ed submodules, in module order."""
     owned: list[ShardedParameter] = []
@@ -179,7 +204,7 @@ def _shard_owned_parameters(
                 current.register_parameter(name, first.parameter)
                 owned.append(first.alias(current, name))
                 continue
-            sharded = shard_parameter(current, name, param, mesh, dp, placement_fn)
+            sharded = shard_parameter(current, name, param, mesh, dp, placement_fn, hsdp=hsdp)
             by_id[id(param)] = sharded
             owned.append(sharded)
         for child in current.children():

@@ -4,7 +4,8 @@ Each rank packs its local shards (padded to the largest dp shard, so every dp ra
 length) into a 1-d buffer; one all_gather over the dp mesh brings every rank's buffer, and each
 parameter's gathered local tensor is cut out of it. One autograd node covers the group: its backward
 packs the gathered copies' gradients (each dp rank's contribution) the same way, in the reduce
-dtype, and reduce-scatters the buffer once (sum), then divides by the gradient divide factor and
+dtype, and reduce-scatters the buffer once (sum; under HSDP then all-reduces this rank's part over
+the replicate mesh), then divides by the gradient divide factor and
 casts back to each parameter's dtype. Parameters kept whole over dp pass through, their gradients
 all-reduced in one collective. Both collectives go through the redistribute executor, so
 CommDebugMode and the verbose log see them.
@@ -78,6 +79,8 @@ class FlatGroup:
     """Parameters kept whole over dp: passed through, their gradients all-reduced."""
     length: int
     """Elements per dp rank in the flat buffer."""
+    replicate_mesh: DeviceMesh | None = None
+    """HSDP's replicate mesh: reduced gradients are all-reduced over it too."""
 
     @property
     def params(self) -> tuple[ShardedParameter, ...]:
@@ -156,6 +159,7 @@ class FlatGroup:
             flat.reshape(-1), self._flat_spec((Partial(),), n * self.length, flat.dtype), (Shard(0),),
             "fully_shard (backward)",
         )  # fmt: skip
+        local = self._sum_over_replicas(local)
         rank = self.dp_mesh.get_local_rank(0)
         grads = []
         for block, piece in zip(torch.split(local, [p.numel for p in self.pieces]), self.pieces):
@@ -166,8 +170,16 @@ class FlatGroup:
         total = redistribute_traced(
             flat, self._flat_spec((Partial(),), flat.numel(), flat.dtype), (Replicate(),), "fully_shard (backward)"
         )
+        total = self._sum_over_replicas(total)
         sizes = [int(torch.Size(p.gathered_shape).numel()) for p in self.whole]
         return [block.view(p.gathered_shape) for block, p in zip(torch.split(total, sizes), self.whole)]
+
+    def _sum_over_replicas(self, flat: torch.Tensor) -> torch.Tensor:
+        """HSDP: a gradient reduced over the shard mesh, summed over the replicate mesh (all_reduce)."""
+        if self.replicate_mesh is None:
+            return flat
+        spec = DTensorSpec(self.replicate_mesh, (Partial(),), TensorMeta((flat.numel(),), (1,), flat.dtype))
+        return redistribute_traced(flat, spec, (Replicate(),), "fully_shard (backward)")
 
     def _flat_spec(
         self, placements: tuple[Placement, ...], numel: int, dtype: torch.dtype | None = None
@@ -176,7 +188,10 @@ class FlatGroup:
 
 
 def flat_groups(
-    params: Sequence[ShardedParameter], dp_mesh: DeviceMesh, param_dtype: torch.dtype | None
+    params: Sequence[ShardedParameter],
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    replicate_mesh: DeviceMesh | None = None,
 ) -> list[FlatGroup]:
     """The parameters packed by gathered dtype (a flat buffer holds one dtype), each parameter once."""
     distinct = {id(p.parameter): p for p in reversed(params)}
@@ -196,7 +211,8 @@ def flat_groups(
     groups = []
     for dtype in {**pieces, **whole}:
         own = tuple(pieces.get(dtype, ()))
-        groups.append(FlatGroup(dp_mesh, dtype, own, tuple(whole.get(dtype, ())), sum(p.numel for p in own)))
+        whole_here = tuple(whole.get(dtype, ()))
+        groups.append(FlatGroup(dp_mesh, dtype, own, whole_here, sum(p.numel for p in own), replicate_mesh))
     return groups
 
 

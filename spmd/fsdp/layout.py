@@ -19,6 +19,10 @@ Two layouts, told apart by the mesh the parameter already lives on:
                        so each dp rank's gradient is its contribution: summed, then divided by the
                        gradient divide factor (dp size: the mean, as FSDP2 does).
 
+HSDP (FSDP2's 2-d dp mesh, replicate dim first): a plain parameter becomes a DTensor on that mesh,
+``(Replicate(), Shard(k))``; its gathered copy is a plain tensor and each rank's batch its own, as in
+FSDP2's layout.
+
 A plain parameter on a 1-d mesh is cut the spmd way; its gathered copy is a plain tensor, or a
 DTensor Replicate() over the mesh when the module's inputs are DTensors on it (the global loss).
 """
@@ -26,7 +30,7 @@ DTensor Replicate() over the mesh when the module's inputs are DTensors on it (t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -109,7 +113,8 @@ def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
         if names is None or DP_MESH_DIM_NAME not in names:
             raise ValueError(
                 f"fully_shard on the {mesh.ndim}-d {mesh} needs to know its data-parallel dim: name it "
-                f'"{DP_MESH_DIM_NAME}" (init_device_mesh(..., mesh_dim_names=("dp", "tp"))) or pass dp_mesh_dim='
+                f'"{DP_MESH_DIM_NAME}" (init_device_mesh(..., mesh_dim_names=("dp", "tp"))) or pass dp_mesh_dim= '
+                '(for HSDP name both dims of a 2-d mesh, none of them "dp": replicate first, then shard)'
             )
         return names.index(DP_MESH_DIM_NAME)
     try:
@@ -136,8 +141,13 @@ def shard_parameter(
     mesh: DeviceMesh,
     dp: int,
     shard_placement_fn: ShardPlacementFn | None = None,
+    *,
+    hsdp: bool = False,
 ) -> ShardedParameter:
-    """Replace ``module.<name>`` by a DTensor parameter sharded over dp, in the layout its mesh calls for."""
+    """Replace ``module.<name>`` by a DTensor parameter sharded over dp, in the layout its mesh calls for.
+
+    ``hsdp``: ``mesh`` is FSDP2's 2-d (replicate, shard) dp mesh, ``dp`` its shard dim.
+    """
     where = f"{type(module).__name__}.{name}"
     if getattr(param, _MANAGED_ATTR, False):
         raise ValueError(
@@ -146,10 +156,17 @@ def shard_parameter(
             "before their parent, or leave it out with ignored_params="
         )
     requested = _requested_dim(shard_placement_fn, param, where)
+    if hsdp and isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"fully_shard: HSDP of {where}, a DTensor on {param.device_mesh}, is not supported by spmd (HSDP "
+            "with tensor parallelism); HSDP takes plain parameters, or shard over one dp dim"
+        )
     if isinstance(param, DTensor) and param.device_mesh != mesh:
         sharded = _shard_on_sibling_mesh(module, name, param, mesh, where, requested)
     else:
         sharded = _shard_on_same_mesh(module, name, param, mesh, dp, where, requested)
+        if hsdp:  # FSDP2's: each rank's own batch, a plain gathered copy
+            sharded = replace(sharded, gathered=None, global_loss=False)
     setattr(sharded.parameter, _MANAGED_ATTR, True)
     module.register_parameter(name, sharded.parameter)
     return sharded

@@ -11,8 +11,8 @@
                    the group's backward has run, so that activation checkpointing's recompute
                    computes with the gathered copies (not the shards)
   backward         the gathered copies' gradients (each dp rank's contribution) are reduce-scattered
-                   in one collective per dtype back to the shards, so ``.grad`` is laid out like the
-                   parameter
+                   in one collective per dtype back to the shards (under HSDP then all-reduced over
+                   the replicate dim), so ``.grad`` is laid out like the parameter
   recompute        a forward run inside backward (activation checkpointing) reuses the copies shadowed
                    for backward, or gathers without freeing
 
@@ -52,13 +52,17 @@ class FullyShardState:
         dp_mesh: DeviceMesh,
         params: Sequence[ShardedParameter],
         *,
+        replicate_mesh: DeviceMesh | None = None,
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.mesh = mesh
         self.dp_mesh = dp_mesh
+        """The mesh parameters are sharded over (1-d)."""
+        self.replicate_mesh = replicate_mesh
+        """HSDP's replicate dim (1-d), over which gradients are all-reduced; None: FSDP."""
         self.params = tuple(params)
-        self.groups = tuple(flat_groups(self.params, dp_mesh, mp_policy.param_dtype))
+        self.groups = tuple(flat_groups(self.params, dp_mesh, mp_policy.param_dtype, replicate_mesh))
         self.reshard_after_forward = reshard_after_forward
         """None: True except on the root, as in FSDP2."""
         self.mp_policy = mp_policy
@@ -111,7 +115,7 @@ class FullyShardState:
         factor = (
             self.divide_factor
             if self.divide_factor is not None
-            else (1.0 if global_loss else float(self.dp_mesh.size()))
+            else (1.0 if global_loss else float(self.dp_mesh.size() * self._replicas()))
         )
         options = ReduceOptions(self.mp_policy.reduce_dtype, factor, self.sync, self._end_backward)
         gathered: dict[int, torch.Tensor] = {}
@@ -123,6 +127,9 @@ class FullyShardState:
                     gathered[key] = local
                 views[key] = _as_gathered(local, param, global_loss, self._specs)
         return gathered, views
+
+    def _replicas(self) -> int:
+        return 1 if self.replicate_mesh is None else self.replicate_mesh.size()
 
     def unshard(self) -> None:
         """Gather now and shadow the shards until ``reshard`` (no autograd: for inspection or a no-grad pass)."""

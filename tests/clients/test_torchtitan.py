@@ -84,6 +84,7 @@ def build_model(parallelism: ParallelismConfig) -> Llama3Model:
 class Layout:
     """How a scenario parallelises the model, in torchtitan's terms."""
 
+    dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     selective_ac: bool = False
@@ -91,6 +92,7 @@ class Layout:
 
     def parallelism(self) -> ParallelismConfig:
         return ParallelismConfig(
+            data_parallel_replicate_degree=self.dp_replicate,
             data_parallel_shard_degree=self.dp_shard,
             tensor_parallel_degree=self.tp,
             enable_sequence_parallel=True,  # with tp: sequence parallel, and the loss is vocab-parallel
@@ -101,7 +103,7 @@ class Layout:
 def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
     """The model built and parallelised by torchtitan: its ParallelDims and meshes, its parallelize_llama."""
     parallelism = layout.parallelism()
-    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_shard * layout.tp)
+    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_replicate * layout.dp_shard * layout.tp)
     parallel_dims.build_mesh()
     model = build_model(parallelism)
     parallelize_llama(
@@ -196,6 +198,11 @@ def fsdp_x_tp(workdir: str) -> Trained:
     return train(Layout(dp_shard=2, tp=2))
 
 
+def hsdp(workdir: str) -> Trained:
+    """torchtitan's HSDP: its 2-d dp mesh (dp_replicate=2, fsdp=2) to fully_shard, each of the 4 ranks its own rows."""
+    return train(Layout(dp_replicate=2, dp_shard=2))
+
+
 def selective_ac(workdir: str) -> Trained:
     """FSDP x TP with torchtitan's per-op selective activation checkpointing of every block."""
     return train(Layout(dp_shard=2, tp=2, selective_ac=True))
@@ -230,7 +237,7 @@ def checkpoint_resumed(workdir: str) -> Trained:
 
 SCENARIOS: dict[str, Callable[[str], Trained]] = {
     scenario.__name__: scenario
-    for scenario in (tp_sp_loss_parallel, fsdp_x_tp, selective_ac, compiled, checkpoint_saved, checkpoint_resumed)
+    for scenario in (tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, checkpoint_saved, checkpoint_resumed)
 }
 
 
@@ -274,7 +281,7 @@ DP2_TP2 = ["fsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
 TP4 = ["tp_sp_loss_parallel", "checkpoint_resumed"]
 
 
-@pytest.mark.parametrize("scenario", ["tp_sp_loss_parallel", "fsdp_x_tp", "selective_ac", "compiled"])
+@pytest.mark.parametrize("scenario", ["tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled"])
 def test_on_threads(scenario: str, reference: Trained, tmp_path: Path) -> None:
     assert_equal_to_one_device(run_threaded(compare, WORLD, [scenario], reference, str(tmp_path)))
 

@@ -223,6 +223,34 @@ def test_plain_parameters_on_the_default_mesh_gather_as_plain_tensors() -> None:
     assert per_rank[0]["gathered_is_plain"]
 
 
+# ----- HSDP: FSDP2's 2-d dp mesh (replicate, shard) -------------------------------------------------
+def hsdp_run() -> dict[str, Any]:
+    """Sharded over dp_shard, replicated over dp_replicate; each of the 4 ranks its own quarter of the batch."""
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = build_model()
+    for block in model.layers:
+        fully_shard(block, mesh=world)
+    fully_shard(model, mesh=world)
+    rank = world.get_rank()
+    with CommDebugMode() as comm:
+        tokens, targets = (t.chunk(4)[rank] for t in batch(0))
+        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()  # type: ignore[no-untyped-call]
+    model.zero_grad()
+    result = _train_local_batches(model, 4)
+    result["counts"] = dict(comm.get_comm_counts())
+    result["placements"] = {p.placements for p in model.parameters()}
+    return result
+
+
+def test_hsdp_shards_over_dim_1_and_sums_gradients_over_both() -> None:
+    per_rank = run_threaded(hsdp_run, 4)
+    check(per_rank, build_model(), 4)
+    assert per_rank[0]["placements"] == {(Replicate(), Shard(0))}
+    # per group (two blocks, the root): one all_gather in forward, again in each block's backward,
+    # one reduce_scatter over dp_shard and one all_reduce over dp_replicate
+    assert per_rank[0]["counts"] == {"all_gather": 3 + 2, "reduce_scatter": 3, "all_reduce": 3}
+
+
 # ----- torchtitan's local embedding lookup (to_local inside forward) --------------------------------
 class LocalLookupEmbedding(nn.Embedding):
     """torchtitan's pattern: look up on this rank's piece of the weight, wrap the result back as a DTensor."""
@@ -555,6 +583,9 @@ def test_errors_name_the_fix() -> None:
             fully_shard([model.layers[1], model.layers[0].mlp], mesh=world["dp"])
         with pytest.raises(NotImplementedError, match="HSDP"):
             fully_shard(model.norm, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp"))
+        hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        with pytest.raises(NotImplementedError, match="HSDP with tensor parallelism"):
+            fully_shard(parallelize_module(build_model(), world["tp"], {"lm_head": ColwiseParallel()}), mesh=hsdp_mesh)
         with pytest.raises(NotImplementedError, match="True, False or None"):
             fully_shard(model.norm, mesh=world["dp"], reshard_after_forward=2)
         tp_on_dp = parallelize_module(build_model(), world["dp"], {"lm_head": ColwiseParallel()})
