@@ -17,7 +17,7 @@ from spmd.fsdp.layout import (
 )
 from spmd.fsdp.module import _STATE_ATTR, FSDPModule, as_fsdp_module, fully_shard_state
 from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from spmd.fsdp.state import FullyShardState
+from spmd.fsdp.state import EagerHook, FullyShardState
 from spmd.tensor import DeviceMesh, init_device_mesh
 from spmd.tensor.comm import current_world
 
@@ -100,10 +100,7 @@ def fully_shard(
     state = FullyShardState(
         mesh, dp_mesh, params, replicate_mesh=replicate_mesh, reshard_after_forward=reshard, mp_policy=mp_policy
     )
-    # Compiling the module itself (torchtitan's per-block ``block.compile()``) runs its hooks as frames
-    # of their own: they gather and free parameters eagerly, outside any graph, as FSDP2's do.
-    before_forward = torch.compiler.disable(state.before_forward, recursive=True)  # type: ignore[no-untyped-call]
-    after_forward = torch.compiler.disable(state.after_forward, recursive=True)  # type: ignore[no-untyped-call]
+    before_forward, after_forward = EagerHook(state, "before_forward"), EagerHook(state, "after_forward")
     for m in modules:
         m.register_forward_pre_hook(before_forward, with_kwargs=True)
         # with_kwargs and always_call: un-shadow even if forward raises

@@ -175,6 +175,23 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+class EagerHook:
+    """One of a state's forward hooks, run outside any compiled graph.
+
+    Compiling the module itself (torchtitan's per-block ``block.compile()``) compiles its hooks as
+    well; fully_shard's gather and free parameters eagerly, as FSDP2's do. An object rather than a
+    disabled closure, so that a fully_shard'ed module still pickles.
+    """
+
+    def __init__(self, state: FullyShardState, method: str) -> None:
+        self.state = state
+        self.method = method
+
+    @torch.compiler.disable(recursive=True)  # type: ignore[untyped-decorator, no-untyped-call]
+    def __call__(self, *args: Any) -> Any:
+        return getattr(self.state, self.method)(*args)
+
+
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
