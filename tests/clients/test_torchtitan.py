@@ -88,7 +88,8 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     selective_ac: bool = False
-    compile: bool = False
+    compile: str | None = None
+    """torchtitan's per-block compile with this backend, or none."""
 
     def parallelism(self) -> ParallelismConfig:
         return ParallelismConfig(
@@ -111,7 +112,7 @@ def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
         parallel_dims=parallel_dims,
         training=TrainingConfig(mixed_precision_param="float32"),
         parallelism=parallelism,
-        compile_config=CompileConfig(enable=layout.compile, backend="aot_eager"),
+        compile_config=CompileConfig(enable=layout.compile is not None, backend=layout.compile or "aot_eager"),
         ac_config=SelectiveAC.Config() if layout.selective_ac else None,  # type: ignore[arg-type]
         dump_folder="",
     )
@@ -208,12 +209,17 @@ def selective_ac(workdir: str) -> Trained:
     return train(Layout(dp_shard=2, tp=2, selective_ac=True))
 
 
-def compiled(workdir: str) -> Trained:
+def compiled(workdir: str, backend: str = "aot_eager") -> Trained:
     """FSDP x TP with torchtitan's per-block torch.compile (aot_eager: no C++ compiler needed)."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    trained = train(Layout(dp_shard=2, tp=2, compile=True))
+    trained = train(Layout(dp_shard=2, tp=2, compile=backend))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs, "no block was compiled"
     return trained
+
+
+def compiled_inductor(workdir: str) -> Trained:
+    """The same with inductor (C++ kernels on CPU): generated code, not only traced graphs."""
+    return compiled(workdir, backend="inductor")
 
 
 def checkpoint_saved(workdir: str) -> Trained:
@@ -237,7 +243,10 @@ def checkpoint_resumed(workdir: str) -> Trained:
 
 SCENARIOS: dict[str, Callable[[str], Trained]] = {
     scenario.__name__: scenario
-    for scenario in (tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, checkpoint_saved, checkpoint_resumed)
+    for scenario in (
+        tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, compiled_inductor, checkpoint_saved,
+        checkpoint_resumed,
+    )
 }
 
 
@@ -281,7 +290,13 @@ DP2_TP2 = ["fsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
 TP4 = ["tp_sp_loss_parallel", "checkpoint_resumed"]
 
 
-@pytest.mark.parametrize("scenario", ["tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled",
+        pytest.param("compiled_inductor", marks=pytest.mark.slow),  # C++ builds: ~30 s more on two cores
+    ],
+)
 def test_on_threads(scenario: str, reference: Trained, tmp_path: Path) -> None:
     assert_equal_to_one_device(run_threaded(compare, WORLD, [scenario], reference, str(tmp_path)))
 
