@@ -286,8 +286,8 @@ def reference() -> Trained:
 
 
 # The gloo launches: the save's run, then a later run that resumes (one world each, as on threads).
-DP2_TP2 = ["fsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
-TP4 = ["tp_sp_loss_parallel", "checkpoint_resumed"]
+SAVE_RUN = ["fsdp_x_tp", "hsdp", "selective_ac", "compiled", "checkpoint_saved"]
+RESUME_RUN = ["tp_sp_loss_parallel", "checkpoint_resumed"]
 
 
 @pytest.mark.parametrize(
@@ -310,8 +310,8 @@ def test_checkpoint_saved_on_one_mesh_resumed_on_another_on_threads(reference: T
 @pytest.mark.multiprocess
 def test_on_gloo_processes(reference: Trained, tmp_path: Path) -> None:
     """Every scenario on 4 gloo processes (torch's c10d collectives, torch's dcp.save and dcp.load), in two
-    launches: the dp=2 x tp=2 scenarios ending with the save, then the tp=4 ones with the resume."""
-    for scenarios in (DP2_TP2, TP4):
+    launches: the 2-d data-parallel scenarios ending with the save, then the tp=4 ones with the resume."""
+    for scenarios in (SAVE_RUN, RESUME_RUN):
         assert_equal_to_one_device(run_multiprocess(compare, WORLD, scenarios, reference, str(tmp_path), timeout=600))
 
 
