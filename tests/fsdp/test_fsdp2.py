@@ -301,7 +301,7 @@ def local_lookup_fsdp2() -> dict[str, Any]:
     return train_fsdp2(model, world, blocks=lambda m: [m.emb, m.mlp])  # type: ignore[list-item]
 
 
-def local_lookup_same_mesh() -> dict[str, Any]:
+def local_lookup_same_mesh(compile_embedding: bool = False) -> dict[str, Any]:
     """spmd's layout: TP and FSDP on the one 2-d mesh, the batch a DTensor sharded over dp, the global loss."""
     world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
     model = EmbedAndHead()
@@ -309,20 +309,15 @@ def local_lookup_same_mesh() -> dict[str, Any]:
     fully_shard(model.emb, mesh=world)
     fully_shard(model.mlp, mesh=world)
     fully_shard(model, mesh=world)
+    if compile_embedding:
+        model.emb.compile(backend="aot_eager")
     return train_same_mesh(model, world)
 
 
 def local_lookup_same_mesh_compiled() -> dict[str, Any]:
     """The same, with the embedding compiled (AOTAutograd): its gathered weight reaches the graph as a
     non-leaf input, which the compiler fakes through a detach; the gradient is still summed over dp."""
-    world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
-    model = EmbedAndHead()
-    _shard_embedding_columns(model, world)
-    fully_shard(model.emb, mesh=world)
-    fully_shard(model.mlp, mesh=world)
-    fully_shard(model, mesh=world)
-    model.emb.compile(backend="aot_eager")
-    return train_same_mesh(model, world)
+    return local_lookup_same_mesh(compile_embedding=True)
 
 
 def train_same_mesh(model: nn.Module, world: DeviceMesh) -> dict[str, Any]:
