@@ -194,3 +194,17 @@ def test_torchs_own_checkpoint_functions_run_on_threads(tmp_path) -> None:
 
     run_threaded(save, 4)
     assert run_threaded(load, 2) == [(True, 3), (True, 3)]
+
+
+def test_with_torchs_init_barrier_on_the_groups_still_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_DIST_INIT_BARRIER=1 would make a default group wait for ranks that are threads: the world
+    runs without one, and its mesh groups still are process groups."""
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+
+    def main() -> tuple[bool, float]:
+        group = init_device_mesh("cpu", (2,)).get_group()
+        total = torch.ones(1)
+        dist.all_reduce(total, group=group)
+        return dist.is_initialized(), total.item()
+
+    assert run_threaded(main, 2) == [(False, 2.0), (False, 2.0)]

@@ -18,6 +18,7 @@ collectives find them. Point-to-point calls (``send``/``recv``) are not offered.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -301,7 +302,9 @@ def default_group_of(world: ThreadedWorld) -> Iterator[bool]:
     groups, but c10d's global ranks are the processes', so ``dist.get_rank(group)`` is not offered.
     """
     global _installing
-    if not dist.is_available() or dist.is_initialized():
+    # TORCH_DIST_INIT_BARRIER=1 makes init_process_group wait in the store for every rank, and only
+    # this thread would ever arrive: the world then runs without a default group rather than hang.
+    if not dist.is_available() or dist.is_initialized() or os.environ.get("TORCH_DIST_INIT_BARRIER", "0") == "1":
         yield False
         return
     _register_backend()
