@@ -41,6 +41,7 @@ _MEMBERS: dict[type, dict[str, MemberType]] = {
             "_coordinate_of",
             "_communicator_on",
             "_group_on",
+            "_group_key_on",
             "__getitem__",
             "__eq__",
             "__ne__",

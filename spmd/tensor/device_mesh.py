@@ -42,6 +42,10 @@ _ROOTS_MADE: weakref.WeakKeyDictionary[World, dict[int, int]] = weakref.WeakKeyD
 """world -> rank -> how many root meshes that rank has made (names the next root's ordinal)."""
 _FLATTENED_LOCK = threading.Lock()
 
+_COMPILED_GROUPS: dict[int, Any] = {}
+"""The groups ``get_group`` has returned in code torch.compile traced, by ``id`` (see
+``DeviceMesh.get_group``). Held for good, so an id is never a dead group's; only traced calls add one."""
+
 
 def _next_root_ordinal(world: World) -> int:
     """The ordinal of the root mesh the calling rank is making: how many it made before."""
@@ -276,7 +280,17 @@ class DeviceMesh:
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
         """The process group along ``mesh_dim`` (a c10d group under torchrun, else the communicator)."""
+        if torch.compiler.is_compiling():
+            # torch.compile evaluates ``_group_on`` on the real mesh, and refuses a c10d ProcessGroup
+            # (a reference opaque type) from it; one read from a module global it takes as an input.
+            return _COMPILED_GROUPS[self._group_key_on(self.get_rank(), mesh_dim)]
         return self._group_on(self.get_rank(), mesh_dim)
+
+    def _group_key_on(self, rank: int, mesh_dim: int | str | None) -> int:
+        """Enter ``_group_on(rank, mesh_dim)`` in ``_COMPILED_GROUPS``; its key there."""
+        group = self._group_on(rank, mesh_dim)
+        _COMPILED_GROUPS.setdefault(id(group), group)
+        return id(group)
 
     def _group_on(self, rank: int, mesh_dim: int | str | None) -> Any:
         if mesh_dim is None:

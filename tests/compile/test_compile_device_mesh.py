@@ -95,3 +95,23 @@ def test_inductor_compiles_a_dtensor_op_steered_by_mesh_properties() -> None:
 
     for out, dp in run_threaded(rank, 2):
         torch.testing.assert_close(out, full * 2 + dp)
+
+
+def test_get_group_in_compiled_code_is_the_rank_threads_group() -> None:
+    """``mesh.get_group`` traced (torchtitan's compiled vocab-parallel loss calls it): a c10d group
+    is taken by the graph as an input, each rank thread's own."""
+    import torch.distributed as dist
+
+    def rank() -> tuple[Any, ...]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def fn(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            group = mesh.get_group("tp")
+            return x * dist.get_world_size(group) + dist.get_rank(group), group
+
+        out, group = torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2))
+        return out, group is mesh.get_group("tp")
+
+    for r, (out, same_group) in enumerate(run_threaded(rank, 4)):
+        assert same_group
+        torch.testing.assert_close(out, torch.full((2,), 2.0 + r % 2))

@@ -41,3 +41,26 @@ def test_compiled_functions_match_eager_on_gloo() -> None:
     for matmul_ok, compiled, eager in run_multiprocess(compiled_matmul_and_step_on_gloo, 2, timeout=300.0):
         assert matmul_ok
         torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+
+
+def compiled_code_takes_the_mesh_group_on_gloo() -> tuple[bool, list[float]]:
+    """torchtitan's vocab-parallel loss, compiled: ``mesh.get_group("tp")`` in the traced code, the
+    c10d group then given to the functional collectives and ``dist.get_world_size``."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    def fn(x):
+        group = mesh.get_group("tp")
+        return funcol.all_reduce(x, "sum", group) * dist.get_world_size(group)
+
+    x = torch.full((2,), float(dist.get_rank() + 1))
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    eager = fn(x)
+    return torch.equal(compiled(x), eager), eager.tolist()
+
+
+def test_compiled_code_takes_the_mesh_group_on_gloo() -> None:
+    for same, values in run_multiprocess(compiled_code_takes_the_mesh_group_on_gloo, 2, timeout=300.0):
+        assert same and values == [6.0, 6.0]  # (1 + 2) * 2
