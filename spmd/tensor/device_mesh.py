@@ -16,6 +16,7 @@ from typing_extensions import Self
 from spmd.compile.properties import traceable_property
 from spmd.tensor.comm import Communicator, World, current_world
 from spmd.tensor.comm.threaded import thread_rank
+from spmd.tensor.compiling import compiling_here
 from spmd.tensor.mesh_args import ranks_tensor, unflatten_args
 from spmd.tensor.mesh_check import check_ranks_agree
 from spmd.tensor.mesh_layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
@@ -279,8 +280,9 @@ class DeviceMesh:
         return comm.on_mesh_dim(self.mesh_dim_names[dim] if self.mesh_dim_names else str(dim))
 
     def get_group(self, mesh_dim: int | str | None = None) -> Any:
-        """The process group along ``mesh_dim`` (a c10d group under torchrun, else the communicator)."""
-        if torch.compiler.is_compiling():
+        """The process group along ``mesh_dim``: a c10d ProcessGroup under torchrun and on rank threads
+        (the threaded world's), the communicator on a simulated world."""
+        if compiling_here():
             # torch.compile evaluates ``_group_on`` on the real mesh, and refuses a c10d ProcessGroup
             # (a reference opaque type) from it; one read from a module global it takes as an input.
             return _COMPILED_GROUPS[self._group_key_on(self.get_rank(), mesh_dim)]
