@@ -271,12 +271,21 @@ class ThreadedCommunicator(Communicator):
         """This group as a c10d ``ProcessGroup`` (what ``mesh.get_group()`` returns on threads)."""
         return self.world.process_group(self.ranks)
 
-    def exchange(self, kind: str, value: Any) -> list[Any]:
+    def exchange(self, kind: str, value: Any, *, ticket: CheckTicket | None = None) -> list[Any]:
         """Every member's ``value`` for this ``kind`` of round, in group order (the c10d groups' primitive).
 
         Values are passed as they are: a member that later writes to what it sent must send a copy.
+        ``ticket`` is the collective check's view of the call (see ``ThreadedWorld.exchange``).
         """
-        return self.world.exchange(self.ranks, kind, value, mesh_dim=self.mesh_dim, timeout_s=self.timeout_s, comm=self)
+        return self.world.exchange(
+            self.ranks,
+            kind,
+            value,
+            mesh_dim=self.mesh_dim,
+            timeout_s=self.timeout_s,
+            ticket=ticket,
+            comm=self if ticket is None else ticket.comm,
+        )
 
     def _exchange(self, kind: str, value: Any) -> list[Any]:
         # Send a snapshot, as a wire would: a fast rank may overwrite its input right after the
@@ -289,15 +298,7 @@ class ThreadedCommunicator(Communicator):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
             if ticket.kind != kind or ticket.comm.ranks != self.ranks or ticket.shape != shape:
                 ticket = None  # left over from a call that never got here
-        return self.world.exchange(
-            self.ranks,
-            kind,
-            value,
-            mesh_dim=self.mesh_dim,
-            timeout_s=self.timeout_s,
-            ticket=ticket,
-            comm=self if ticket is None else ticket.comm,
-        )
+        return self.exchange(kind, value, ticket=ticket)
 
     def _verify(self, ticket: CheckTicket) -> None:
         """Threads compare in the collective's own round: the ticket rides with the data."""

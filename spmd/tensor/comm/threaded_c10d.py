@@ -132,8 +132,7 @@ class ThreadedProcessGroup(_ProcessGroup):  # type: ignore[misc]
         return self._name
 
     def _exchange(self, kind: str, value: Any) -> list[Any]:
-        with torch.no_grad():
-            return self.communicator.exchange(f"c10d.{kind}", value)
+        return self.communicator.exchange(f"c10d.{kind}", value)
 
     # ----- collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
