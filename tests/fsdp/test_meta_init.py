@@ -5,19 +5,20 @@ fully-sharded, materialised with ``model.to_empty(device="cpu")`` and initialise
 ``nn.init`` functions on the DTensor parameters. With every rank seeded alike
 (``spmd.tensor.random.manual_seed``), each sharded parameter holds the numbers one device draws
 after ``torch.manual_seed`` with the same seed (as torch's DTensor does on CUDA, where its
-offset-based RNG gives each shard its part of one device's stream), and two AdamW steps then match
-one device.
+offset-based RNG gives each shard its part of one device's stream), and two training steps then
+match one device: gradients and SGD steps in float32, AdamW steps in float64.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fsdp2 import FSDP2_TP_PLAN, STEPS, check
+from test_fsdp2 import FSDP2_TP_PLAN, STEPS, TOL
 from test_fully_shard import DIM, TinyGPT, batch, make_optimizer
 from torch import nn
 
@@ -28,6 +29,10 @@ from spmd.tensor_parallel import loss_parallel, parallelize_module
 from spmd.testing import run_threaded
 
 SEED = 7
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd": lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+    "adamw": make_optimizer,
+}
 
 
 def init_weights(model: TinyGPT) -> None:
@@ -46,9 +51,9 @@ def init_weights(model: TinyGPT) -> None:
         nn.init.uniform_(model.lm_head.weight, -bound, bound)
 
 
-def one_device_model() -> TinyGPT:
+def one_device_model(dtype: torch.dtype = torch.float32) -> TinyGPT:
     """The reference: built on CPU and initialised with the same seed."""
-    model = TinyGPT()
+    model = TinyGPT().to(dtype)
     torch.manual_seed(SEED)
     init_weights(model)
     return model
@@ -82,8 +87,8 @@ def materialise(model: TinyGPT, *, seed_with: str = "spmd") -> dict[str, Any]:
     }
 
 
-def check_init(per_rank: list[dict[str, Any]]) -> None:
-    expected = dict(one_device_model().named_parameters())
+def check_init(per_rank: list[dict[str, Any]], dtype: torch.dtype = torch.float32) -> None:
+    expected = dict(one_device_model(dtype).named_parameters())
     for result in per_rank:
         assert result["built_on_meta"] and result["layout_kept"] and result["same_objects"]
         for name, value in result["init"].items():
@@ -91,14 +96,14 @@ def check_init(per_rank: list[dict[str, Any]]) -> None:
 
 
 # ----- the three layouts, as torchtitan applies them ---------------------------------------------
-def build_on_meta(*, tp: bool, dp: bool) -> tuple[TinyGPT, DeviceMesh | None]:
+def build_on_meta(*, tp: bool, dp: bool, dtype: torch.dtype = torch.float32) -> tuple[TinyGPT, DeviceMesh | None]:
     """Build on meta, tensor-parallelise on the tp (sub-)mesh, fully_shard on the dp (sub-)mesh."""
     if tp and dp:
         world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     else:  # tp alone on 2 ranks: the sequence (6) splits evenly for SequenceParallel
         world = init_device_mesh("cpu", (4 if dp else 2,), mesh_dim_names=("dp" if dp else "tp",))
     with torch.device("meta"):
-        model = TinyGPT()
+        model = TinyGPT().to(dtype)
     if tp:
         parallelize_module(model, world["tp"] if dp else world, FSDP2_TP_PLAN)
     dp_mesh = (world["dp"] if tp else world) if dp else None
@@ -109,41 +114,82 @@ def build_on_meta(*, tp: bool, dp: bool) -> tuple[TinyGPT, DeviceMesh | None]:
     return model, dp_mesh
 
 
-def train(model: nn.Module, dp_mesh: DeviceMesh | None) -> dict[str, Any]:
-    """Two AdamW steps, each dp rank on its own part of the batch."""
-    optimizer = make_optimizer(model)
+def train(model: nn.Module, dp_mesh: DeviceMesh | None, optimizer_name: str) -> dict[str, Any]:
+    """Two steps, each dp rank on its own part of the batch; the losses, each step's gradients, the parameters."""
+    optimizer = OPTIMIZERS[optimizer_name](model)
     rank, size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
-    losses = []
+    losses, grads = [], []
     for step in range(STEPS):
         tokens, targets = (t.chunk(size)[rank] for t in batch(step))
         with loss_parallel():
             loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
             loss.backward()  # type: ignore[no-untyped-call]
+        grads.append({name: p.grad.full_tensor() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
-    return {"losses": losses, "params": {name: p.full_tensor() for name, p in model.named_parameters()}}
+    return {"losses": losses, "grads": grads, "params": {name: p.full_tensor() for name, p in model.named_parameters()}}
 
 
-def meta_init_and_train(tp: bool, dp: bool) -> dict[str, Any]:
-    model, dp_mesh = build_on_meta(tp=tp, dp=dp)
+def meta_init_and_train(tp: bool, dp: bool, dtype: torch.dtype, optimizer_name: str) -> dict[str, Any]:
+    model, dp_mesh = build_on_meta(tp=tp, dp=dp, dtype=dtype)
     result = materialise(model)
     result["registered"] = not dp or all(fully_shard_state(m) is not None for m in (model, *model.layers))
-    return {**result, **train(model, dp_mesh)}
+    return {**result, **train(model, dp_mesh, optimizer_name)}
 
 
+def one_device_training(dtype: torch.dtype, optimizer_name: str) -> dict[str, Any]:
+    """The same steps on one device, on the whole batch."""
+    model = one_device_model(dtype)
+    optimizer = OPTIMIZERS[optimizer_name](model)
+    losses, grads = [], []
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
+        loss.backward()  # type: ignore[no-untyped-call]
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": {name: p.detach() for name, p in model.named_parameters()}}
+
+
+def check_training(per_rank: list[dict[str, Any]], dp: int, dtype: torch.dtype, optimizer_name: str) -> None:
+    """The dp ranks' losses average to one device's; every rank's gradients and parameters equal one device's."""
+    expected = one_device_training(dtype, optimizer_name)
+    # float32: TOL, as for FSDP2's training; float64: assert_close's defaults (rtol 1e-7, atol 1e-7)
+    tol = TOL if dtype == torch.float32 else {}
+    per_dp = [per_rank[r]["losses"] for r in range(0, len(per_rank), len(per_rank) // dp)]
+    torch.testing.assert_close(torch.tensor(per_dp).mean(0), torch.tensor(expected["losses"]), **tol)
+    for result in per_rank:
+        for step, (grads, expected_grads) in enumerate(zip(result["grads"], expected["grads"], strict=True)):
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, expected_grads[name], msg=f"step {step} grad {name}", **tol)
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, expected["params"][name], msg=name, **tol)
+
+
+# Sums run in another order on each layout and, on one device, with another kernel width (AVX2 or
+# AVX-512), so float32 results differ at rounding size. SGD's step is linear in the gradient and keeps
+# them there. Adam's m/sqrt(v) does not: a near-zero gradient's rounding becomes a visible step (2e-4
+# on one element of layers.1.attn.k under tp on an AVX2-only CPU), so AdamW is compared in float64,
+# whose rounding lies far below Adam's eps (1e-8).
+@pytest.mark.parametrize(
+    ("dtype", "optimizer_name"),
+    [(torch.float32, "sgd"), (torch.float64, "adamw")],
+    ids=["float32-sgd", "float64-adamw"],
+)
 @pytest.mark.parametrize(
     ("tp", "dp"), [(True, False), (False, True), (True, True)], ids=["tp", "fsdp", "tp-on-tp-fsdp-on-dp"]
 )
-def test_meta_init_then_train_equals_one_device(tp: bool, dp: bool) -> None:
+def test_meta_init_then_train_equals_one_device(tp: bool, dp: bool, dtype: torch.dtype, optimizer_name: str) -> None:
     """to_empty keeps each DTensor parameter (same object, mesh and placements, still fully_shard's);
-    init_weights gives one device's values exactly; two steps give one device's losses and parameters."""
-    per_rank = run_threaded(meta_init_and_train, 4 if dp else 2, tp, dp)
-    check_init(per_rank)
+    init_weights gives one device's values exactly; two steps give one device's losses, gradients and
+    parameters."""
+    per_rank = run_threaded(meta_init_and_train, 4 if dp else 2, tp, dp, dtype, optimizer_name)
+    check_init(per_rank, dtype)
     assert all(result["registered"] for result in per_rank)
-    # atol 1e-4 (1% of one AdamW step at lr 1e-2): Adam's m/sqrt(v) turns sum-order rounding of the
-    # few near-zero gradients (k's, under tp) into visible differences
-    check(per_rank, one_device_model(), 2 if tp and dp else (4 if dp else 1), rtol=1e-4, atol=1e-4)
+    check_training(per_rank, 2 if tp and dp else (4 if dp else 1), dtype, optimizer_name)
 
 
 def test_meshes_made_under_the_meta_device_hold_real_ranks() -> None:
