@@ -58,7 +58,7 @@ import torch.distributed as dist
 import spmd.tensor
 from spmd.tensor import Partial, Placement, Shard, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.redistribute import plan_redistribute
+from spmd.tensor.redistribute.plan import plan_redistribute
 from spmd.testing import run_multiprocess, run_threaded
 from spmd.testing.layouts import make_dtensor
 

@@ -49,7 +49,7 @@ DIFFERENCES: dict[str, str] = {
     "torch.distributed.tensor.debug.visualize_sharding": (
         "file= keyword instead of use_rich= (we print plain text, never through rich)"
     ),
-    # DeviceMesh (spmd/tensor/device_mesh.py)
+    # DeviceMesh (spmd/tensor/device_mesh/mesh.py)
     "torch.distributed.device_mesh.DeviceMesh.__init__": (
         "mesh is required (torch's mesh=None serves its private _layout path); no backend_override: "
         "one backend per world (gloo/nccl under torchrun, threads under run_threaded)"

@@ -115,7 +115,7 @@ def main() -> None:
         ((len(p.read_text().splitlines()), module_name(p)) for p in files if len(p.read_text().splitlines()) > LONG_FILE_LINES),
         reverse=True,
     )
-    dispatch = [n for n in lengths if n[1] == "spmd.tensor.dispatch.Dispatcher.dispatch"]
+    dispatch = [n for n in lengths if n[1] == "spmd.tensor.dispatch.dispatcher.Dispatcher.dispatch"]
     total = sum(len(p.read_text().splitlines()) for p in files)
     print(f"spmd/: {len(files)} files, {total} lines")
     print("longest functions: " + ", ".join(f"{name} {n}" for n, name in lengths[:5]))

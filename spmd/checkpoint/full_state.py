@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from spmd.comm import Communicator, current_world
 from spmd.tensor.api import distribute_tensor
-from spmd.tensor.comm import Communicator, current_world
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.trace import current_rank_or_none
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from spmd.checkpoint.errors import CheckpointError
 from spmd.checkpoint.threaded_coordinator import load_over, save_over
-from spmd.tensor.comm import Communicator
-from spmd.tensor.comm.threaded import current_threaded_world
+from spmd.comm import Communicator
+from spmd.comm.threaded import current_threaded_world
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Replicate
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from spmd.checkpoint.errors import CheckpointError
-from spmd.tensor.comm import Communicator
+from spmd.comm import Communicator
 
 __all__ = ["save_over", "load_over"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed._functional_collectives as _torch_functional
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 
 __all__: list[str] = []  # every name is torch's, found by __getattr__
 

@@ -9,6 +9,6 @@
 
 The rest needs no registration: a DTensor is a traceable wrapper subclass (``__tensor_flatten__``),
 its methods (``to_local``, ``redistribute``, ``full_tensor``, ``placements``) are plain Python that
-Dynamo inlines, and the collectives are ``spmd::`` ops (spmd/tensor/comm/library_ops.py).
+Dynamo inlines, and the collectives are ``spmd::`` ops (spmd/comm/library_ops.py).
 See docs/compile.md.
 """

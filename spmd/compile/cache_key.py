@@ -3,7 +3,7 @@
 A graph traced over DTensors depends on more than the local shard's shape: the spec decides which
 local ops and collectives are traced, the caller's mesh coordinate decides its shard's offsets,
 and every collective names its group by an int handle that is only meaningful in this process
-(spmd/tensor/comm/library_ops.py). A cached graph can be picked up by a later process, so the key
+(spmd/comm/library_ops.py). A cached graph can be picked up by a later process, so the key
 holds all of these: a hit means the same layout, the same coordinate, and handles that name groups
 of the same ranks in the same kind of world.
 """

@@ -10,12 +10,13 @@ Called once ``torch._dynamo`` is loaded (the first compile that meets a DTensor)
 
 from __future__ import annotations
 
+from types import CodeType
+
 __all__ = ["keep_dynamo_out_of_dispatch"]
 
 
-def keep_dynamo_out_of_dispatch() -> None:
+def keep_dynamo_out_of_dispatch(dispatch_code: CodeType) -> None:
+    """Have Dynamo skip ``dispatch_code`` (``DTensor.__torch_dispatch__``'s code) and every frame it calls."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
-    from spmd.compile.hooks import DISPATCH_CODE
-
-    set_code_exec_strategy(DISPATCH_CODE[0], _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    set_code_exec_strategy(dispatch_code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

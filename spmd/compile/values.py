@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from torch._library.opaque_object import MemberType, is_opaque_type, register_opaque_type
 
-from spmd.tensor.comm.base import Communicator
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.comm.base import Communicator
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.placement import Partial, Replicate, Shard, _StridedShard
 
 __all__ = ["register_compile_values"]

@@ -8,6 +8,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
+from spmd.comm import current_world
 from spmd.fsdp.layout import (
     DP_MESH_DIM_NAME,
     ShardedParameter,
@@ -19,7 +20,6 @@ from spmd.fsdp.module import _STATE_ATTR, FSDPModule, as_fsdp_module, fully_shar
 from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import EagerHook, FullyShardState
 from spmd.tensor import DeviceMesh, init_device_mesh
-from spmd.tensor.comm import current_world
 
 __all__ = ["fully_shard", "fully_shard_state"]
 

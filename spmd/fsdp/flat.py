@@ -22,7 +22,7 @@ import torch
 from spmd.fsdp.layout import ShardedParameter
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
 from spmd.tensor.placement import shard_sizes
-from spmd.tensor.redistribute import redistribute_traced
+from spmd.tensor.redistribute.run import redistribute_traced
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["FlatGroup", "GradSync", "ReduceOptions", "flat_groups", "local_shard"]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from spmd.tensor.mesh_layout import DimLayout, canonical, overlaps
+from spmd.tensor.device_mesh.layout import DimLayout, canonical, overlaps
 from spmd.tensor.placement import _is_shard_like, _StridedShard, shard_sizes
 
 __all__ = [

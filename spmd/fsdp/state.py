@@ -37,7 +37,7 @@ from spmd.fsdp.flat import GradSync, ReduceOptions, flat_groups, local_shard
 from spmd.fsdp.layout import GatheredLayout, ShardedParameter
 from spmd.fsdp.policy import MixedPrecisionPolicy
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement
-from spmd.tensor.redistribute import grad_placements_for, redistribute_traced
+from spmd.tensor.redistribute.run import grad_placements_for, redistribute_traced
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
 __all__ = ["FullyShardState", "add_storage_resize_observer"]

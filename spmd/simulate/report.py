@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from spmd.comm import CollectiveRecord
 from spmd.simulate.memory import StateBytes
 from spmd.simulate.plan import Link, Links
 from spmd.tensor import DeviceMesh
-from spmd.tensor.comm import CollectiveRecord
 
 __all__ = [
     "CollectiveStat",

@@ -13,13 +13,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from spmd.comm import use_world
 from spmd.simulate.memory import MemoryTracker, local_storages, training_state_bytes
 from spmd.simulate.meta_semantics import MetaAsCpu
 from spmd.simulate.plan import Links, Plan
 from spmd.simulate.report import PlanReport, collective_stats, human_bytes
 from spmd.simulate.world import SimulatedWorld
 from spmd.tensor import DeviceMesh, DTensor, Shard, init_device_mesh
-from spmd.tensor.comm import use_world
 from spmd.tensor.debug import CommDebugMode
 
 __all__ = ["Workload", "simulate"]

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from spmd.comm.base import Communicator, World
 from spmd.compile.properties import traceable_property
-from spmd.tensor.comm.base import Communicator, World
 
 __all__ = ["SimulatedWorld", "SimulatedCommunicator"]
 
@@ -65,7 +65,7 @@ class SimulatedCommunicator(Communicator):
 
 
 class SimulatedWorld(World):
-    """``size`` ranks of which only ``rank`` runs; enter it with ``spmd.tensor.comm.use_world``.
+    """``size`` ranks of which only ``rank`` runs; enter it with ``spmd.comm.use_world``.
 
     >>> with use_world(SimulatedWorld(4096, rank=0)):  # doctest: +SKIP
     ...     mesh = init_device_mesh("meta", (512, 8), mesh_dim_names=("dp", "tp"))

@@ -1,15 +1,20 @@
 """spmd.tensor: distributed tensors over an n-d device mesh (the ``torch.distributed.tensor`` API)."""
 
+from spmd import hooks
 from spmd.tensor import (
     debug,  # noqa: F401  (applies SPMD_DEBUG / SPMD_DEBUG_RANKS from the environment)
-    dispatch,  # noqa: F401  (installs the dispatcher that runs aten ops on DTensors)
     ops,  # noqa: F401  (registers every sharding rule)
     serialization,  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 )
 from spmd.tensor.api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from spmd.tensor.debug.check import COLLECTIVE_CHECK
 from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor.dispatch import DISPATCHER
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+
+# The one place late-bound hooks are filled (spmd/hooks.py says which and why).
+hooks.install(dispatch=DISPATCHER.dispatch, collective_check=COLLECTIVE_CHECK)
 
 __all__ = [
     "DTensor",

@@ -11,10 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.tensor.collectives import broadcast_from, local_chunk, partition_value, scatter_from, scatter_pieces_from
-from spmd.tensor.device_mesh import DeviceMesh, current_mesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh, current_mesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
+from spmd.tensor.redistribute.collectives import (
+    broadcast_from,
+    local_chunk,
+    partition_value,
+    scatter_from,
+    scatter_pieces_from,
+)
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape, normalize_placements
 
 PlacementList = Sequence[Placement]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem
 
-    from spmd.tensor.dtensor import DTensor
-
 __all__ = [
     "PartialPlacementError",
     "create_write_items",
@@ -50,6 +48,13 @@ __all__ = [
     "owned_chunks",
     "local_blocks",
 ]
+
+
+class DTensor(Protocol):
+    """What the protocol reads of a DTensor (spmd/tensor/dtensor.py forwards DCP's calls here)."""
+
+    _spec: DTensorSpec
+    _local_tensor: torch.Tensor
 
 
 class PartialPlacementError(RuntimeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import sys
 import threading
@@ -17,17 +18,19 @@ from typing import Any
 
 import torch
 
-from spmd.compile import hooks as compile_hooks
+from spmd.comm.base import full_check_here
+from spmd.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
+from spmd.comm.threaded import thread_rank
 from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
 from spmd.compile.cache_key import stable_cache_key
-from spmd.tensor.collectives import agree, broadcast_from
-from spmd.tensor.comm.base import full_check_here
-from spmd.tensor.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
-from spmd.tensor.comm.threaded import thread_rank
-from spmd.tensor.compiling import compiling_here
-from spmd.tensor.device_mesh import DeviceMesh, current_mesh
+from spmd.compile.compiling import compiling_here
+from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
+from spmd.hooks import HOOKS
+from spmd.tensor import checkpoint_protocol
+from spmd.tensor.device_mesh.mesh import DeviceMesh, current_mesh
 from spmd.tensor.placement import Partial, Placement, Replicate, _is_shard_like, shard_sizes
-from spmd.tensor.redistribute import Redistribute, grad_placements_for, redistribute_local
+from spmd.tensor.redistribute.collectives import agree, broadcast_from
+from spmd.tensor.redistribute.run import Redistribute, grad_placements_for, redistribute_local
 from spmd.tensor.spec import (
     DTensorSpec,
     TensorMeta,
@@ -36,7 +39,7 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
-__all__ = ["DTensor", "DataDependentShapeError", "implicit_replication", "set_dispatch"]
+__all__ = ["DTensor", "DataDependentShapeError", "implicit_replication"]
 
 
 _FlatContext = tuple[DTensorSpec, bool, int | None, tuple[Placement, ...] | None]
@@ -95,8 +98,7 @@ class DTensor(torch.Tensor):
         graph bakes in the rank's mesh coordinate and groups, so the rank threads of one process,
         which share torch.compile's cache, each get their own graph, as torchrun's processes do.
         """
-        if not _dynamo_kept_out[0]:
-            _keep_dynamo_out_of_dispatch()
+        _keep_dynamo_out_of_dispatch()
         return ["_local_tensor"], (self._spec, self.requires_grad, thread_rank(), self._local_grad_placements)
 
     def _stable_hash_for_caching(self) -> str:
@@ -158,7 +160,7 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         try:
-            result = _dispatch[0](func, args, kwargs or {})
+            result = HOOKS.dispatch(func, args, kwargs or {})  # the dispatcher (spmd/hooks.py says why late)
         except TypeError as error:
             # While torch.compile traces, an output shape that depends on values is a symbol, and a
             # spec (hashable, static) cannot hold it: say which op it was.
@@ -240,9 +242,8 @@ class DTensor(torch.Tensor):
                 'build one with init_device_mesh("cpu", (world_size,))'
             )
         if compiling_here():  # Dynamo records one opaque call (see spmd/compile/from_local.py)
-            from spmd.compile.from_local import from_local_in_graph
-
-            return from_local_in_graph(
+            _keep_dynamo_out_of_dispatch()
+            return _from_local_in_graph()(
                 local_tensor, device_mesh, placements, run_check, shape, stride,
                 rank=thread_rank(), grad_placements=grad_placements,
             )
@@ -298,31 +299,25 @@ class DTensor(torch.Tensor):
 
     # ----- torch.distributed.checkpoint's planner protocol (see spmd/tensor/checkpoint_protocol.py) --
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        from spmd.tensor import checkpoint_protocol
-
         return checkpoint_protocol.create_write_items(fqn, self)
 
     def __create_chunk_list__(self) -> list[Any]:
-        from spmd.tensor import checkpoint_protocol
-
         return checkpoint_protocol.create_chunk_list(self)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        from spmd.tensor import checkpoint_protocol
-
         return checkpoint_protocol.get_tensor_shard(self, index)
 
 
-_dynamo_kept_out = [False]
+_dynamo_kept_out = False
+"""Whether Dynamo has been told to skip ``__torch_dispatch__`` (done once, after it is loaded)."""
 
 
 def _keep_dynamo_out_of_dispatch() -> None:
     """Once Dynamo is loaded, have it skip the dispatcher's frames (see spmd/compile/eager_frames.py)."""
-    if "torch._dynamo" in sys.modules:
-        from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
-
-        keep_dynamo_out_of_dispatch()
-        _dynamo_kept_out[0] = True
+    global _dynamo_kept_out
+    if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+        keep_dynamo_out_of_dispatch(DTensor.__torch_dispatch__.__func__.__code__)  # type: ignore[attr-defined]
+        _dynamo_kept_out = True
 
 
 class DataDependentShapeError(NotImplementedError):
@@ -586,19 +581,6 @@ def _compare_replicated(
             compare_replicas(local, spec.mesh.get_communicator(d), what, fix)
 
 
-def _no_dispatcher(func: Any, args: Any, kwargs: Any) -> Any:
-    raise RuntimeError("spmd.tensor.dispatch was not imported; import spmd.tensor to use DTensor ops")
-
-
-_dispatch: list[Callable[[Any, Any, Any], Any]] = [_no_dispatcher]
-"""The function ``__torch_dispatch__`` hands aten calls to; spmd.tensor.dispatch installs itself."""
-
-
-def set_dispatch(fn: Callable[[Any, Any, Any], Any]) -> None:
-    """Make ``fn(op, args, kwargs)`` the handler of every aten op on a DTensor (spmd.tensor.dispatch)."""
-    _dispatch[0] = fn
-
-
 class _ImplicitReplication(threading.local):
     enabled = False
 
@@ -623,8 +605,12 @@ def plain_tensors_allowed() -> bool:
     return _implicit.enabled or torch._C._current_graph_task_id() != -1
 
 
-compile_hooks.EAGER_FROM_LOCAL[:] = [from_local_eager]
-compile_hooks.DISPATCH_CODE[:] = [DTensor.__torch_dispatch__.__func__.__code__]  # type: ignore[attr-defined]
+@functools.cache
+def _from_local_in_graph() -> Callable[..., DTensor]:
+    """``from_local_eager`` as one opaque call in Dynamo's graph; made on the first compile (it loads Dynamo)."""
+    from spmd.compile.from_local import nonstrict_from_local
+
+    return nonstrict_from_local(from_local_eager)
 
 
 def wrap_result(

@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import torch
 
-from spmd.tensor.collectives import agree
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.placement import Partial, Placement, Replicate
+from spmd.tensor.redistribute.collectives import agree
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset
 
 __all__ = [
@@ -179,7 +179,7 @@ def draw_global(mesh: DeviceMesh, shape: tuple[int, ...], dtype: torch.dtype, fi
 
 def local_piece_of(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
     """This rank's piece of a global tensor every rank holds (no communication)."""
-    from spmd.tensor.redistribute import redistribute_local
+    from spmd.tensor.redistribute.run import redistribute_local
 
     meta = TensorMeta(tuple(full.shape), contiguous_strides(full.shape), full.dtype)
     replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
@@ -211,7 +211,7 @@ def draw_local(
     if mesh.device_type != "cpu":
         local = local.to(mesh.device_type)
     if whole != placements:  # replicate -> partial is local: no collective
-        from spmd.tensor.redistribute import redistribute_local
+        from spmd.tensor.redistribute.run import redistribute_local
 
         meta = TensorMeta(shape, contiguous_strides(shape), dtype)
         local = redistribute_local(local, DTensorSpec(mesh, whole, meta), placements)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spmd.tensor.comm import World, active_world, current_world
-from spmd.tensor.comm.detached import DetachedWorld
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.comm import World, active_world, current_world
+from spmd.comm.detached import DetachedWorld
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Replicate, Shard, _rebuild_strided_shard, _StridedShard, format_placements
 from spmd.tensor.spec import DTensorSpec, TensorMeta

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.placement import (
     Partial,
     Placement,

@@ -14,12 +14,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from spmd.tensor.comm.base import CollectiveRecord, active_world
+from spmd.comm.base import CollectiveRecord, active_world
 from spmd.tensor.placement import Placement, Replicate, Shard, format_placements
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT, DTensorSpec, TensorMeta, local_shape_and_offset
 
 if TYPE_CHECKING:
-    from spmd.tensor.propagation import Decision
+    from spmd.tensor.sharding.vocabulary import Decision
 
 __all__ = [
     "STATE",

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from spmd.compile.compiling import compiling_here
 from spmd.tensor import DeviceMesh, DTensor, Partial, Placement, Replicate, Shard
-from spmd.tensor.collectives import reduce_over
-from spmd.tensor.compiling import compiling_here
+from spmd.tensor.redistribute.collectives import reduce_over
 from spmd.tensor.spec import local_shape_and_offset
 
 __all__ = ["vocab_parallel_cross_entropy", "VocabLayout", "vocab_layout"]

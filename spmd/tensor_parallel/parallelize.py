@@ -20,7 +20,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from spmd.tensor import DeviceMesh
-from spmd.tensor.device_mesh import current_mesh
+from spmd.tensor.device_mesh.mesh import current_mesh
 from spmd.tensor_parallel.layouts import resolve_tp_mesh_dim
 from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
 

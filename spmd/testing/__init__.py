@@ -1,6 +1,6 @@
 """Test utilities: the threaded world, gloo processes, PyTorch's DTensor test-base surface and the oracle."""
 
-from spmd.tensor.comm import CollectiveAbortedError, CollectiveTimeoutError, run_threaded
+from spmd.comm import CollectiveAbortedError, CollectiveTimeoutError, run_threaded
 from spmd.testing.common_dtensor import DTensorTestBase, run_subtests, with_comms
 from spmd.testing.multiprocess import RankFailed, run_multiprocess
 from spmd.testing.oracle import assert_same_grads, assert_same_params, check_against_torch

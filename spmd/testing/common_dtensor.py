@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from spmd.tensor.comm import active_world, current_world, run_threaded
-from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
+from spmd.comm import active_world, current_world, run_threaded
+from spmd.tensor.device_mesh.mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["DTensorTestBase", "with_comms", "run_subtests", "NUM_DEVICES", "DEVICE_TYPE"]
 

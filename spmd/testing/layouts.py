@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.spec import local_shape_and_offset

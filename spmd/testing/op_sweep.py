@@ -672,7 +672,7 @@ def run_threaded_sweep(
     ``fallback`` turns the dispatcher's replicate fallback for ops without a rule on or off for the
     sweep (None keeps the current setting): off measures the rules alone.
     """
-    from spmd.tensor.dispatch import replicate_fallback
+    from spmd.tensor.dispatch.dispatcher import replicate_fallback
 
     with replicate_fallback(fallback) if fallback is not None else contextlib.nullcontext():
         return _run_threaded_sweep(ops, lib or spmd_library(), collective_timeout, progress)
@@ -684,7 +684,7 @@ def _run_threaded_sweep(
     collective_timeout: float,
     progress: Callable[[int, int], None] | None,
 ) -> list[Outcome]:
-    from spmd.tensor.comm.threaded import current_threaded_world
+    from spmd.comm.threaded import current_threaded_world
     from spmd.testing import run_threaded
 
     cases = build_cases(ops)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from spmd.tensor.debug.comm_mode import CommDebugMode
-from spmd.tensor.device_mesh import DeviceMesh, current_mesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh, current_mesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement
 from spmd.testing.layouts import make_dtensor

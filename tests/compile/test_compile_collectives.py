@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from spmd.comm import add_comm_observer, remove_comm_observer
+from spmd.comm.handles import communicator_for
 from spmd.tensor import init_device_mesh
-from spmd.tensor.comm import add_comm_observer, remove_comm_observer
-from spmd.tensor.comm.library_ops import communicator_for
 from spmd.testing import run_threaded
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from spmd.comm import Communicator
 from spmd.tensor import Partial, init_device_mesh
-from spmd.tensor.comm import Communicator
 from spmd.testing import run_threaded
 
 

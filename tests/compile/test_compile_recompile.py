@@ -11,10 +11,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters, guard_failures
 
 from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
-from spmd.tensor.dispatch import replicate_fallback
+from spmd.tensor.dispatch.dispatcher import replicate_fallback
 from spmd.tensor.dtensor import DataDependentShapeError
-from spmd.tensor.ops.registry import REGISTRY
-from spmd.tensor.propagation import ShardingError
+from spmd.tensor.sharding.registry import REGISTRY
+from spmd.tensor.sharding.vocabulary import ShardingError
 from spmd.testing import run_threaded
 
 

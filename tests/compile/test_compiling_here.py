@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from spmd.tensor.compiling import compiling_here
+from spmd.compile.compiling import compiling_here
 
 
 def test_a_peer_thread_is_not_compiling_while_another_thread_compiles() -> None:

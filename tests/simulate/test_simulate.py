@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spmd.comm import CollectiveRecord, use_world
 from spmd.simulate import (
     GPTConfig,
     Link,
@@ -23,7 +24,6 @@ from spmd.simulate.cli import main
 from spmd.simulate.models import GPT
 from spmd.simulate.report import ring_seconds
 from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
-from spmd.tensor.comm import CollectiveRecord, use_world
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import shard_sizes
 

@@ -9,7 +9,7 @@ import torch
 
 from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import DISPATCHER, implicit_replication, replicate_fallback
+from spmd.tensor.dispatch.dispatcher import DISPATCHER, implicit_replication, replicate_fallback
 from spmd.tensor.ops import REGISTRY, OpStrategy
 from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, with_comms
 from spmd.testing import seeded_randn as randn

@@ -31,8 +31,8 @@ import torch
 
 pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest (pip install expecttest)")
 
+from spmd.comm.threaded import current_threaded_world
 from spmd.tensor import DTensor, Replicate, Shard
-from spmd.tensor.comm.threaded import current_threaded_world
 from spmd.testing import op_sweep as sweep
 
 _LIST_INDEX = "x[[0, 2]]-style indexing builds a plain index tensor inside torch (ERROR-OTHER: mixed with DTensors)"

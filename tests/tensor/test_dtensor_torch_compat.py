@@ -225,7 +225,7 @@ def test_a_saved_dtensor_loads_outside_a_running_world_as_the_rank_that_saved_it
     run_threaded(save, 2)
     script = f"""
 import torch, spmd.tensor
-from spmd.tensor.comm.detached import DetachedWorldError
+from spmd.comm.detached import DetachedWorldError
 x = torch.load(r"{tmp_path / 'rank1.pt'}", weights_only=True)
 assert x.placements == (spmd.tensor.Shard(0),) and x.shape == (4, 2), x
 assert x.to_local().tolist() == [[4.0, 5.0], [6.0, 7.0]], x.to_local()

@@ -12,7 +12,7 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import replicate_fallback
+from spmd.tensor.dispatch.dispatcher import replicate_fallback
 from spmd.tensor.experimental import implicit_replication, local_map, register_sharding
 from spmd.tensor.ops import REGISTRY
 from spmd.testing import DTensorTestBase, with_comms

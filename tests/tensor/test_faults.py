@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from spmd.comm import CollectiveAbortedError, CollectiveError, current_world
 from spmd.tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-from spmd.tensor.comm import CollectiveAbortedError, CollectiveError, current_world
 from spmd.tensor.debug import CollectiveMismatchError, CommDebugMode, check_collectives, warmup_check
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from spmd.testing import CollectiveTimeoutError, run_threaded

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spmd.comm import CollectiveMismatchError
 from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
-from spmd.tensor.comm import CollectiveMismatchError
 from spmd.tensor.debug import check_collectives, warmup_check
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from spmd.testing.multiprocess import RankFailed, run_multiprocess

@@ -1,8 +1,8 @@
-"""Mesh dims as strided axes over the root mesh's row-major rank list (spmd/tensor/mesh_layout.py)."""
+"""Mesh dims as strided axes over the root mesh's row-major rank list (spmd/tensor/device_mesh/layout.py)."""
 
 from __future__ import annotations
 
-from spmd.tensor.mesh_layout import canonical, offsets, overlaps, root_layout, split, without_axes
+from spmd.tensor.device_mesh.layout import canonical, offsets, overlaps, root_layout, split, without_axes
 
 
 def test_a_root_mesh_steps_each_dim_by_the_sizes_below_it() -> None:

@@ -254,7 +254,7 @@ class OptimizerDispatchTest(DTensorTestBase):
         The for-loop implementation (CPU's default) passes them as Python floats
         (``addcdiv_(..., value=-step_size)``): elementwise ops key floats by type, not value.
         """
-        from spmd.tensor.dispatch import DISPATCHER
+        from spmd.tensor.dispatch.dispatcher import DISPATCHER
 
         mesh = init_device_mesh("cpu", (4,))
         barrier = distribute_tensor(torch.zeros(4), mesh, [S0])

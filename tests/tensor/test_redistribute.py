@@ -10,7 +10,7 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.redistribute import plan_redistribute
+from spmd.tensor.redistribute.plan import plan_redistribute
 from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import expected_local_grad, local_piece, make_dtensor, placement_options
 

@@ -26,8 +26,8 @@ from spmd.tensor import (
 )
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import _StridedShard, strided_shard_indices
-from spmd.tensor.propagation import ShardingError
-from spmd.tensor.redistribute import plan_redistribute
+from spmd.tensor.redistribute.plan import plan_redistribute
+from spmd.tensor.sharding.vocabulary import ShardingError
 from spmd.tensor.spec import local_shape, local_shape_and_offset, normalize_placements, unstrided_placements
 from spmd.testing import DTensorTestBase, run_threaded, with_comms
 

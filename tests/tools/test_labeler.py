@@ -33,7 +33,7 @@ def test_labeler_is_v5_shaped() -> None:
 @pytest.mark.parametrize(
     ("path", "labels"),
     [
-        ("spmd/tensor/dispatch.py", {"module: dtensor"}),
+        ("spmd/tensor/dispatch/dispatcher.py", {"module: dtensor"}),
         ("tests/tensor/ops/test_views.py", {"module: dtensor"}),
         ("spmd/tensor_parallel/linear.py", {"module: tensor parallel"}),
         ("tests/tensor_parallel/test_styles.py", {"module: tensor parallel"}),

@@ -13,7 +13,7 @@ communicator's ``_verify``. The threaded world carries the ticket in the collect
 compares the tickets' keys before anyone reads the data (no extra exchange; compiled code carries
 none). Over c10d the full check all-gathers an 8-byte digest of each rank's
 ``CollectiveFingerprint`` first, and the warm-up check exchanges fingerprints through the job's
-store (``comm/c10d_warmup.py``). If they differ, every rank of the group raises
+store (spmd/comm/store_check.py). If they differ, every rank of the group raises
 ``CollectiveMismatchError`` naming the ranks that differ and showing each side's fingerprint and
 call site, instead of exchanging data that would silently mix two different computations (or hang).
 Ranks count what they compare, not call sites, so ranks that agree check the same collectives;
@@ -38,17 +38,17 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.comm.base import (
+from spmd.comm.base import (
     CheckTicket,
     CollectiveMismatchError,
     Communicator,
-    set_collective_check,
 )
-from spmd.tensor.comm.replicas import call_site, user_frame
+from spmd.comm.replicas import call_site, user_frame
 from spmd.tensor.spec import DTENSOR_DTYPE_SHORT
 from spmd.tensor.trace import STATE, current_op
 
 __all__ = [
+    "COLLECTIVE_CHECK",
     "CollectiveFingerprint",
     "CollectiveMismatchError",
     "check_collectives",
@@ -287,6 +287,13 @@ def _mismatch_error(comm: Communicator, seq: int, sides: list[Any]) -> Collectiv
     )
 
 
-set_collective_check(
-    _check_before_collective, full_check_here=_enabled_here, side_of=_side_of, mismatch_error=_mismatch_error
-)
+class _CollectiveCheck:
+    """The check as ``spmd.comm`` calls it (``spmd.hooks.CollectiveCheck``); installed by spmd/tensor/__init__.py."""
+
+    before = staticmethod(_check_before_collective)
+    full_check_here = staticmethod(_enabled_here)
+    side_of = staticmethod(_side_of)
+    mismatch_error = staticmethod(_mismatch_error)
+
+
+COLLECTIVE_CHECK = _CollectiveCheck()

@@ -22,8 +22,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from typing_extensions import Self
 
-from spmd.tensor.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
-from spmd.tensor.compiling import compiling_here
+from spmd.comm import CollectiveRecord, add_comm_observer, remove_comm_observer
+from spmd.compile.compiling import compiling_here
 from spmd.tensor.debug.torch_collectives import (
     TorchCollectiveWatch,
     collective_kind,

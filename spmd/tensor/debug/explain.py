@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spmd.tensor.dispatch import DISPATCHER
-from spmd.tensor.ops.registry import OpStrategy
+from spmd.tensor.dispatch.dispatcher import DISPATCHER
+from spmd.tensor.sharding.vocabulary import OpStrategy
 from spmd.tensor.trace import human_bytes
 
 __all__ = ["explain", "Explanation"]

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.dispatch import DISPATCHER
-from spmd.tensor.list_dispatch import _leaf_arguments, _list_entries
+from spmd.hooks import HOOKS
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements
-from spmd.tensor.propagation import Decision
-from spmd.tensor.redistribute import TransformStep, plan_redistribute
+from spmd.tensor.redistribute.plan import TransformStep, plan_redistribute
+from spmd.tensor.sharding.call import leaf_arguments, list_entries
+from spmd.tensor.sharding.vocabulary import Decision
 
 __all__ = [
     "ExplicitRedistributionError",
@@ -66,7 +66,7 @@ def set_explicit_redistribution(enabled: bool = True) -> None:
 
 def is_explicit_redistribution() -> bool:
     """Whether implicit redistribution raises now."""
-    return DISPATCHER.refuse_implicit is not None
+    return HOOKS.refuse_implicit is not None
 
 
 @contextlib.contextmanager
@@ -88,8 +88,8 @@ def explicit_redistribution() -> Iterator[None]:
 
 
 def _install() -> None:
-    """Hand the dispatcher the check while any switch is on (called with ``_lock`` held)."""
-    DISPATCHER.refuse_implicit = refuse_implicit_moves if (_process_wide or _blocks > 0) else None
+    """Put the check on the hook board while any switch is on (called with ``_lock`` held)."""
+    HOOKS.refuse_implicit = refuse_implicit_moves if (_process_wide or _blocks > 0) else None
 
 
 def refuse_implicit_moves(
@@ -125,9 +125,9 @@ def refuse_implicit_moves(
 
 def _input_names(op: Any, count: int, shape: tuple[Any, ...], kwarg_names: list[str]) -> list[str]:
     """The schema name of each flattened leaf, with its index for an entry of a list (``other[2]``)."""
-    names = _leaf_arguments(op, shape, kwarg_names, count)
+    names = leaf_arguments(op, shape, kwarg_names, count)
     seen: dict[str, int] = {}
-    for i, listed in enumerate(_list_entries(shape, count)):
+    for i, listed in enumerate(list_entries(shape, count)):
         if listed:
             index = seen.get(names[i], 0)
             seen[names[i]] = index + 1

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spmd.tensor.comm import CollectiveRecord, Communicator
+from spmd.comm import CollectiveRecord, Communicator
 from spmd.tensor.trace import current_rank_or_none
 
 __all__ = ["KINDS", "collective_kind", "collective_kind_or_none", "torch_collective_record", "TorchCollectiveWatch"]

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 
-from spmd.tensor.comm import add_comm_observer, remove_comm_observer
+from spmd.comm import add_comm_observer, remove_comm_observer
 from spmd.tensor.trace import LOGGER, STATE, observe_collective, parse_ranks
 
 __all__ = ["set_verbose", "verbose", "is_verbose"]

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch.utils import _pytree as pytree
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Placement, format_placements
 from spmd.tensor.spec import normalize_placements

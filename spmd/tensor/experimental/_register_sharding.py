@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.ops.registry import REGISTRY, OpCall, OpStrategy
 from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.sharding.registry import REGISTRY
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 __all__ = ["register_sharding"]

@@ -24,6 +24,7 @@ from spmd.tensor.ops import (  # noqa: F401  (registration side effect)
     views,
     whole_ops,
 )
-from spmd.tensor.ops.registry import REGISTRY, OpCall, OpStrategy, register_rule
+from spmd.tensor.sharding.registry import REGISTRY, register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 
 __all__ = ["REGISTRY", "OpCall", "OpStrategy", "register_rule"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from spmd.tensor.ops.registry import OpCall, OpStrategy
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 __all__ = [

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R, identity_candidates, pointwise_candidates
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

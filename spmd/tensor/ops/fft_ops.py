@@ -16,8 +16,9 @@ import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R, normalize_dim
 from spmd.tensor.ops.matrix import no_empty_shards
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 
 aten = torch.ops.aten
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.reductions import power_sum_order, sharded_on
-from spmd.tensor.ops.registry import REGISTRY, Decomposition, Expansion, OpCall, OpStrategy, Rule, register_rule
+from spmd.tensor.sharding.registry import REGISTRY, register_rule
+from spmd.tensor.sharding.vocabulary import Decomposition, Expansion, OpCall, OpStrategy, Rule
 from spmd.tensor.spec import DTensorSpec
 
 __all__ = ["ListRule", "ElementCall"]

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, surviving_shards
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard, shard_sizes
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

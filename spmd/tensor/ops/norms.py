@@ -29,8 +29,9 @@ import torch
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R
 from spmd.tensor.ops.matrix import no_empty_shards
-from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import Expansion, OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -16,8 +16,9 @@ import torch
 
 from spmd.tensor.ops.common import R
 from spmd.tensor.ops.foreach import ListRule
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Placement, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -28,8 +28,9 @@ import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R
 from spmd.tensor.ops.matrix import no_empty_shards
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 aten = torch.ops.aten

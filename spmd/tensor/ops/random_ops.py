@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, identity_candidates, pointwise_candidates
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Placement, Shard
 from spmd.tensor.random import draw_local
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, pointwise_candidates
-from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size
 from spmd.tensor.placement import Partial, Shard, shard_sizes
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import Expansion, OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -20,8 +20,9 @@ import torch
 
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.ops.common import LINEAR_PARTIALS, R, normalize_dim
-from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import Expansion, OpCall, OpStrategy
 from spmd.tensor.spec import local_shape_and_offset
 
 aten = torch.ops.aten

@@ -18,8 +18,9 @@ import torch
 
 from spmd.tensor.ops.common import R
 from spmd.tensor.ops.reductions import schema_arg
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Partial, Placement, Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -32,9 +32,10 @@ import torch
 
 from spmd.tensor.ops.common import PARTIALS, R, normalize_dim
 from spmd.tensor.ops.matrix import no_empty_shards
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.ops.views import local_view_size
 from spmd.tensor.placement import Placement, Shard, format_placements
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 aten = torch.ops.aten

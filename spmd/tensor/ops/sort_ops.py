@@ -16,8 +16,9 @@ import torch
 
 from spmd.tensor.ops.common import R, normalize_dim
 from spmd.tensor.ops.reductions import reduction_candidates, schema_arg
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 
 aten = torch.ops.aten
 

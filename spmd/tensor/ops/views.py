@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from spmd.tensor.ops.common import PARTIALS, R, normalize_dim, surviving_shards
-from spmd.tensor.ops.registry import OpCall, OpStrategy, register_rule
 from spmd.tensor.placement import Shard
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import OpCall, OpStrategy
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 __all__ = ["view_groups", "view_shard_map", "local_view_size", "local_view_args", "never_one_long"]

@@ -25,7 +25,8 @@ except ImportError:  # an older torch without them
 
 from spmd.tensor.ops.common import R
 from spmd.tensor.ops.reductions import reduction_args, reduction_candidates
-from spmd.tensor.ops.registry import Expansion, OpCall, OpStrategy, register_rule
+from spmd.tensor.sharding.registry import register_rule
+from spmd.tensor.sharding.vocabulary import Expansion, OpCall, OpStrategy
 
 aten = torch.ops.aten
 

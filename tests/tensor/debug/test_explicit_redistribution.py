@@ -25,7 +25,7 @@ from spmd.tensor.debug import (
     set_explicit_redistribution,
 )
 from spmd.tensor.debug.environment import configure_from_environment
-from spmd.tensor.ops.registry import REGISTRY
+from spmd.tensor.sharding.registry import REGISTRY
 from spmd.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from spmd.testing import assert_same_grads, load_script, run_threaded, seeded_module
 from spmd.testing import seeded_randn as randn

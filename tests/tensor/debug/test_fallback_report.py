@@ -12,7 +12,7 @@ import torch
 from spmd.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import FallbackRecord, fallback_report, reset_fallback_report, verbose
 from spmd.tensor.debug.fallbacks import _forget_warnings
-from spmd.tensor.ops.registry import REGISTRY
+from spmd.tensor.sharding.registry import REGISTRY
 from spmd.testing import run_threaded
 from spmd.testing import seeded_randn as randn
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from spmd.comm.replicas import ReplicaMismatchError
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from spmd.tensor.comm.replicas import ReplicaMismatchError
 from spmd.tensor.debug import CollectiveMismatchError, check_collectives
 from spmd.testing import run_multiprocess, run_threaded
 

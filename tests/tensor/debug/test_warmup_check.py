@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from spmd.comm.base import CheckTicket
+from spmd.comm.threaded import ThreadedCommunicator
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from spmd.tensor.comm.base import CheckTicket
-from spmd.tensor.comm.threaded import ThreadedCommunicator
 from spmd.tensor.debug import (
     CollectiveMismatchError,
     is_warmup_check,

@@ -12,7 +12,7 @@ import torch
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.ops.foreach import ListRule
-from spmd.tensor.ops.registry import REGISTRY
+from spmd.tensor.sharding.registry import REGISTRY
 from spmd.testing import DTensorTestBase, check_against_torch, run_threaded, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor import ones as spmd_ones
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.dispatch import implicit_replication, replicate_fallback
+from spmd.tensor.dispatch.dispatcher import implicit_replication, replicate_fallback
 from spmd.tensor.placement import Placement
 from spmd.testing import DTensorTestBase, assert_same_grads, check_against_torch, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor

@@ -19,7 +19,7 @@ from types import FrameType
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from spmd.tensor.comm.base import CollectiveMismatchError, Communicator, collective_name
+from spmd.comm.base import CollectiveMismatchError, Communicator, collective_name
 
 __all__ = ["REPLICA_RTOL", "ReplicaMismatchError", "compare_replicas", "user_frame", "call_site", "tensor_label"]
 
@@ -76,8 +76,8 @@ def compare_replicas(local: torch.Tensor, comm: Communicator, describe: str, fix
     )
 
 
-_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The spmd package's folder (this file is spmd/tensor/comm/replicas.py)."""
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The spmd package's folder (this file is spmd/comm/replicas.py)."""
 _LIBRARY_DIRS = (
     _SPMD_DIR + os.sep,
     *(os.path.dirname(module.__file__ or "") + os.sep for module in (torch, contextlib, threading)),

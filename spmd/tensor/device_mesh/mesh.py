@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
+from spmd.comm import Communicator, World, current_world, handles
+from spmd.comm.threaded import thread_rank
+from spmd.compile.compiling import compiling_here
 from spmd.compile.properties import traceable_property
-from spmd.tensor.comm import Communicator, World, current_world
-from spmd.tensor.comm.threaded import thread_rank
-from spmd.tensor.compiling import compiling_here
-from spmd.tensor.mesh_args import ranks_tensor, unflatten_args
-from spmd.tensor.mesh_check import check_ranks_agree
-from spmd.tensor.mesh_layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
+from spmd.tensor.device_mesh.args import ranks_tensor, unflatten_args
+from spmd.tensor.device_mesh.check import check_ranks_agree
+from spmd.tensor.device_mesh.layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
 
@@ -42,11 +42,6 @@ _FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey, int], Flat
 _ROOTS_MADE: weakref.WeakKeyDictionary[World, dict[int, int]] = weakref.WeakKeyDictionary()
 """world -> rank -> how many root meshes that rank has made (names the next root's ordinal)."""
 _FLATTENED_LOCK = threading.Lock()
-
-_COMPILED_GROUPS: dict[int, Any] = {}
-"""The groups ``get_group`` has returned in code torch.compile traced, by ``id`` (see
-``DeviceMesh.get_group``). Held for good, so an id is never a dead group's; only traced calls add one."""
-
 
 def _next_root_ordinal(world: World) -> int:
     """The ordinal of the root mesh the calling rank is making: how many it made before."""
@@ -285,14 +280,12 @@ class DeviceMesh:
         if compiling_here():
             # torch.compile evaluates ``_group_on`` on the real mesh, and refuses a c10d ProcessGroup
             # (a reference opaque type) from it; one read from a module global it takes as an input.
-            return _COMPILED_GROUPS[self._group_key_on(self.get_rank(), mesh_dim)]
+            return handles.PROCESS_GROUPS[self._group_key_on(self.get_rank(), mesh_dim)]
         return self._group_on(self.get_rank(), mesh_dim)
 
     def _group_key_on(self, rank: int, mesh_dim: int | str | None) -> int:
-        """Enter ``_group_on(rank, mesh_dim)`` in ``_COMPILED_GROUPS``; its key there."""
-        group = self._group_on(rank, mesh_dim)
-        _COMPILED_GROUPS.setdefault(id(group), group)
-        return id(group)
+        """Enter ``_group_on(rank, mesh_dim)`` in ``handles.PROCESS_GROUPS``; its key there."""
+        return handles.process_group_key(self._group_on(rank, mesh_dim))
 
     def _group_on(self, rank: int, mesh_dim: int | str | None) -> Any:
         if mesh_dim is None:

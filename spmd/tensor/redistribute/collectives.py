@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.comm import Communicator
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.comm import Communicator
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.placement import _StridedShard, pad_dim, shard_offsets, shard_sizes
 
 __all__ = [

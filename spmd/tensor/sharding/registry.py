@@ -9,83 +9,15 @@ The propagator expands candidates to n-d meshes and picks the cheapest. Rules ne
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from spmd.tensor.ops.entry import OpEntry
-from spmd.tensor.placement import Placement
-from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.sharding.entry import OpEntry
+from spmd.tensor.sharding.vocabulary import Answer, Decomposition, LocalArgs, LocalImpl, Rule
 
-__all__ = [
-    "OpStrategy",
-    "OpCall",
-    "Rule",
-    "LocalArgs",
-    "LocalImpl",
-    "Decomposition",
-    "Expansion",
-    "Answer",
-    "OpEntry",
-    "OpRegistry",
-    "REGISTRY",
-    "register_rule",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class OpStrategy:
-    """Inputs' required placements -> outputs' placements, on one mesh dim."""
-
-    inputs: tuple[Placement, ...]
-    outputs: tuple[Placement | None, ...]
-
-    def __str__(self) -> str:
-        ins = ", ".join(str(p) for p in self.inputs)
-        outs = ", ".join(str(p) for p in self.outputs)
-        return f"{ins} -> {outs}"
-
-
-@dataclass(frozen=True, slots=True)
-class OpCall:
-    """What a rule sees of one call: specs in place of DTensors, plus the outputs' global metas."""
-
-    op: torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    input_specs: tuple[DTensorSpec, ...]
-    output_metas: tuple[TensorMeta | None, ...]
-
-    def arg(self, index: int, name: str, default: Any = None) -> Any:
-        """Positional ``index`` or keyword ``name`` of the call, else ``default``."""
-        if index < len(self.args):
-            return self.args[index]
-        return self.kwargs.get(name, default)
-
-    @property
-    def mesh_ndim(self) -> int:
-        return self.input_specs[0].mesh.ndim
-
-
-Rule = Callable[[OpCall], Sequence[OpStrategy]]
-LocalArgs = Callable[[list[Any], dict[str, Any], Any, DTensorSpec], tuple[list[Any], dict[str, Any]]]
-"""Rewrites the local call's arguments (e.g. a view's global sizes to this rank's local sizes):
-``(args, kwargs, decision, output spec) -> (args, kwargs)``; runs on every call, after the decision."""
-LocalImpl = Callable[[Any, list[Any], dict[str, Any], tuple[DTensorSpec, ...], tuple[Any, ...]], Any]
-"""Computes the local result itself instead of calling the op on the shards (random ops draw the
-global tensor and keep their piece): ``(op, args, kwargs, input specs as redistributed, output
-specs) -> local result``. Output specs are None for non-tensor outputs."""
-Expansion = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-"""Runs a call as other DTensor ops: ``(op, args, kwargs) -> result``, the arguments as the caller gave them."""
-Answer = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-"""Answers a call from its arguments' global metadata: ``(op, args, kwargs) -> result``, the
-arguments as the caller gave them (plain tensors may be among them); nothing is decided or moved."""
-Decomposition = Callable[[OpCall], Expansion | None]
-"""Says, from a call's specs and arguments, whether the op runs as other DTensor ops instead of
-through its rule (the p-norm of a sharded dim: power sums -> P(sum) -> pow(1/p)): the ``Expansion``
-that runs it, or None to use the rule. Decided once per cache key, like a rule's candidates."""
+__all__ = ["OpEntry", "OpRegistry", "REGISTRY", "register_rule"]
 
 
 def _overloads(op: Any) -> list[torch._ops.OpOverload]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.device_mesh import DeviceMesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 
 __all__ = ["meshes_of_positions", "run_per_mesh"]

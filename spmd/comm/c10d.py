@@ -25,8 +25,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from spmd.compile.properties import traceable_property
-from spmd.tensor.comm.base import (
+from spmd.comm.base import (
     CheckTicket,
     CollectiveAbortedError,
     CollectiveTimeoutError,
@@ -34,7 +33,8 @@ from spmd.tensor.comm.base import (
     World,
     full_check_here,
 )
-from spmd.tensor.comm.c10d_warmup import check_through_store, done_unchecked, issue_unchecked, verdict_for
+from spmd.comm.store_check import check_through_store, done_unchecked, issue_unchecked, verdict_for
+from spmd.compile.properties import traceable_property
 
 __all__ = ["C10dWorld", "C10dCommunicator"]
 
@@ -137,7 +137,7 @@ class C10dCommunicator(Communicator):
         self.backend = dist.get_backend(group)
         self._local_rank = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else -1
         self._native_reduce_scatter = True
-        self._group_name: str = getattr(group, "group_name", "")
+        self.group_name = getattr(group, "group_name", "")
         self._issued = [0]
         """Collectives this rank issued on the group through the check (shared by views and copies):
         names the store slot of a warm-up check."""
@@ -228,13 +228,13 @@ class C10dCommunicator(Communicator):
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         # gloo checks each output chunk against the input's shape, so gather flat and view.
         gather = _functional.all_gather_into_tensor
-        out = self._run("all_gather", _issue_and_wait, gather, tensor.reshape(-1), self.size, self._group_name)
+        out = self._run("all_gather", _issue_and_wait, gather, tensor.reshape(-1), self.size, self.group_name)
         return out.view(self.size, *tensor.shape)
 
     def _all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         _, divide = _reduce_op(reduce_op, self.backend)
         name = "sum" if divide else reduce_op
-        out = self._run("all_reduce", _issue_and_wait, _functional.all_reduce, tensor, name, self._group_name)
+        out = self._run("all_reduce", _issue_and_wait, _functional.all_reduce, tensor, name, self.group_name)
         return self._finish_avg(out, divide)
 
     def _reduce_scatter(self, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -248,7 +248,7 @@ class C10dCommunicator(Communicator):
         name = "sum" if divide else reduce_op
         scatter = _functional.reduce_scatter_tensor
         try:
-            out = _issue_and_wait(scatter, stacked.reshape(-1), name, self.size, self._group_name)
+            out = _issue_and_wait(scatter, stacked.reshape(-1), name, self.size, self.group_name)
         except RuntimeError as error:
             # The backend refuses before sending anything, on every rank alike, so falling back is safe.
             if "support" not in str(error).lower():
@@ -261,7 +261,7 @@ class C10dCommunicator(Communicator):
     def _all_to_all(self, stacked: torch.Tensor) -> torch.Tensor:
         splits = [1] * self.size  # one block per member
         return self._run(
-            "all_to_all", _issue_and_wait, _functional.all_to_all_single, stacked, splits, splits, self._group_name
+            "all_to_all", _issue_and_wait, _functional.all_to_all_single, stacked, splits, splits, self.group_name
         )
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

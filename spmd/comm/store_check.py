@@ -24,21 +24,19 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-from spmd.tensor.comm.base import (
+from spmd.comm.base import (
     CheckTicket,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    Communicator,
     mismatch_error,
     mismatch_side,
 )
-from spmd.tensor.comm.replicas import call_site, user_frame
-
-if TYPE_CHECKING:
-    from spmd.tensor.comm.c10d import C10dCommunicator
+from spmd.comm.replicas import call_site, user_frame
 
 __all__ = ["STALL_S", "check_through_store", "issue_unchecked", "done_unchecked", "verdict_for"]
 
@@ -46,7 +44,7 @@ STALL_S = 1.0
 """How long an unchecked collective waits before the watchdog writes its fingerprint to the store."""
 _WATCH_EVERY_S = 0.25
 
-_in_flight: dict[int, tuple[CheckTicket, C10dCommunicator, int, float]] = {}
+_in_flight: dict[int, tuple[CheckTicket, Communicator, int, float]] = {}
 """Thread id -> (ticket, communicator, position, start) of the unchecked collective that thread is in."""
 _posted: set[str] = set()
 _watchdog: threading.Thread | None = None
@@ -57,11 +55,11 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def slot_prefix(comm: C10dCommunicator, n: int) -> str:
-    return f"collective_check/{comm._group_name}/{n}/"
+def slot_prefix(comm: Communicator, n: int) -> str:
+    return f"collective_check/{comm.group_name}/{n}/"
 
 
-def check_through_store(comm: C10dCommunicator, ticket: CheckTicket, n: int) -> None:
+def check_through_store(comm: Communicator, ticket: CheckTicket, n: int) -> None:
     """Compare ``ticket`` with every member's side of collective ``n`` on ``comm``'s group; raise if any differs."""
     prefix = slot_prefix(comm, n)
     me = dist.get_rank()
@@ -86,19 +84,19 @@ def check_through_store(comm: C10dCommunicator, ticket: CheckTicket, n: int) -> 
     raise mismatch
 
 
-def issue_unchecked(ticket: CheckTicket, comm: C10dCommunicator, n: int) -> None:
+def issue_unchecked(ticket: CheckTicket, comm: Communicator, n: int) -> None:
     """Note that the calling thread issues collective ``n`` unchecked, for the watchdog."""
     _in_flight[threading.get_ident()] = (ticket, comm, n, time.monotonic())
     if _watchdog is None:
         _start_watchdog()
 
 
-def done_unchecked() -> tuple[CheckTicket, C10dCommunicator, int, float] | None:
+def done_unchecked() -> tuple[CheckTicket, Communicator, int, float] | None:
     """The calling thread left its unchecked collective; return what was noted of it."""
     return _in_flight.pop(threading.get_ident(), None)
 
 
-def verdict_for(noted: tuple[CheckTicket, C10dCommunicator, int, float] | None) -> CollectiveMismatchError | None:
+def verdict_for(noted: tuple[CheckTicket, Communicator, int, float] | None) -> CollectiveMismatchError | None:
     """The mismatch a peer found at the noted collective (its verdict in the store), if any."""
     if noted is None or slot_prefix(noted[1], noted[2]) not in _posted:
         return None

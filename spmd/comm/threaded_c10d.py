@@ -23,17 +23,37 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from spmd.tensor.comm.base import active_world, reduce_stack
+from spmd.comm.base import active_world, reduce_stack
 
-if TYPE_CHECKING:
-    from spmd.tensor.comm.threaded import ThreadedCommunicator, ThreadedWorld
+__all__ = ["BACKEND_NAME", "ThreadedProcessGroup", "default_group_of", "new_process_group"]
 
-__all__ = ["BACKEND_NAME", "ThreadedProcessGroup", "default_group_of"]
+
+class RankThreads(Protocol):
+    """What a threaded process group needs of its world (``spmd.comm.threaded.ThreadedWorld``)."""
+
+    size: int
+    backend_name: str
+
+    def rank_or_none(self) -> int | None: ...
+
+    def communicator(self, ranks: tuple[int, ...]) -> GroupExchange: ...
+
+
+class GroupExchange(Protocol):
+    """What it needs of one group's communicator (``spmd.comm.threaded.ThreadedCommunicator``)."""
+
+    ranks: tuple[int, ...]
+    size: int
+
+    @property
+    def world(self) -> RankThreads: ...
+
+    def exchange(self, kind: str, value: Any, *, ticket: Any = None) -> list[Any]: ...
 
 BACKEND_NAME = "spmd_threads"
 
@@ -103,7 +123,7 @@ class ThreadedProcessGroup(_ProcessGroup):  # type: ignore[misc]
     returns (its ``Work`` is already done) and writes its results into the caller's output tensors.
     """
 
-    def __init__(self, communicator: ThreadedCommunicator, name: str) -> None:
+    def __init__(self, communicator: GroupExchange, name: str) -> None:
         super().__init__(0, communicator.size)
         self.communicator = communicator
         self._name = name
@@ -272,7 +292,7 @@ class ThreadedProcessGroup(_ProcessGroup):  # type: ignore[misc]
 
 # ----- the backend and the default group -----------------------------------------------------------
 _lock = threading.Lock()
-_installing: ThreadedWorld | None = None
+_installing: RankThreads | None = None
 """The world whose default group ``init_process_group`` is creating (set by ``default_group_of``)."""
 
 
@@ -294,7 +314,7 @@ def _register_backend() -> None:
 
 
 @contextmanager
-def default_group_of(world: ThreadedWorld) -> Iterator[bool]:
+def default_group_of(world: RankThreads) -> Iterator[bool]:
     """Make ``world`` c10d's default group for the block, if the process has no default group yet.
 
     Yields whether it did: under torchrun (a real default group) the world's groups are still process
@@ -321,7 +341,7 @@ def default_group_of(world: ThreadedWorld) -> Iterator[bool]:
             dist.destroy_process_group()
 
 
-def new_process_group(world: ThreadedWorld, ranks: tuple[int, ...], owns_default: bool) -> ThreadedProcessGroup:
+def new_process_group(world: RankThreads, ranks: tuple[int, ...], owns_default: bool) -> ThreadedProcessGroup:
     """The process group over ``ranks`` (the caller among them): made through ``dist.new_group`` when
     ``world`` is c10d's default group, so c10d knows its ranks and name; else a group of its own."""
     if owns_default:

@@ -8,7 +8,7 @@ first collective raises, saying how to load it where it can compute.
 
 from __future__ import annotations
 
-from spmd.tensor.comm.base import Communicator, World
+from spmd.comm.base import Communicator, World
 
 __all__ = ["DetachedWorld", "DetachedWorldError"]
 

@@ -1,30 +1,27 @@
-"""How an aten call's arguments become a flat list of leaves and back, and how leaves key decisions.
+"""How a call's leaves key decisions: its DTensors' specs and positions, its mesh, its other arguments.
 
-Aten schemas nest at most one level of lists (``cat([a, b])``, ``_foreach_add(xs, ys)``), so a call
-flattens to its leaves plus a small layout tuple. A positional call whose lists hold no tensors
-(``sum(x, [1])``, ``view(x, [4, 2])``), the common case, is not flattened at all: its arguments are
-its leaves and its layout is ``()``.
+The leaves come from ``spmd.tensor.sharding.call.flatten_call``, or are the arguments themselves for
+a plain positional call (the common case, keyed without flattening).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.sharding.call import flatten_call
 from spmd.tensor.spec import DTensorSpec
 
 __all__ = [
     "SCALAR_TENSOR",
     "AMBIGUOUS_KEYS",
-    "DECISION_CACHE_LIMIT",
+    "MIXED_MESHES",
+    "list_call_key",
     "UnwrappedCall",
     "unwrap_call",
     "scan_leaves",
-    "flatten_call",
-    "unflatten_call",
     "mesh_mismatch_error",
 ]
 
@@ -32,62 +29,10 @@ SCALAR_TENSOR = "scalar-tensor"
 """Key part of a plain 0-d tensor leaf (its dtype goes beside it, its value does not matter)."""
 AMBIGUOUS_KEYS = (float, bool, complex)
 """Leaf types keyed with their type too: 1, 1.0 and True hash alike but promote differently."""
-DECISION_CACHE_LIMIT = 50_000
-"""Decision caches are cleared past this many entries (decisions pin their meshes and worlds)."""
-
-
-def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tuple[Any, ...]]:
-    """Leaves of ``args``/``kwargs`` (one level of lists, as aten schemas have) and their layout.
-
-    The layout is ``()`` when the call is plain positional leaves, the common case.
-    """
-    if not kwargs:
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                break
-        else:
-            return list(args), ()
-    leaves: list[Any] = []
-    shape: list[Any] = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            shape.append(len(a))
-            leaves.extend(a)
-        else:
-            shape.append(-1)
-            leaves.append(a)
-    for name, a in kwargs.items():
-        if isinstance(a, (list, tuple)):
-            shape.append((name, len(a)))
-            leaves.extend(a)
-        else:
-            shape.append(name)
-            leaves.append(a)
-    return leaves, tuple(shape)
-
-
-def unflatten_call(leaves: Sequence[Any], shape: tuple[Any, ...], kwarg_names: Sequence[str]) -> tuple[list[Any], dict[str, Any]]:
-    if not shape:
-        return list(leaves), {}
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    pos = 0
-    for entry in shape:
-        if isinstance(entry, int):
-            if entry < 0:
-                args.append(leaves[pos])
-                pos += 1
-            else:
-                args.append(leaves[pos : pos + entry])
-                pos += entry
-        elif isinstance(entry, tuple):
-            name, length = entry
-            kwargs[name] = leaves[pos : pos + length]
-            pos += length
-        else:
-            kwargs[entry] = leaves[pos]
-            pos += 1
-    return args, kwargs
+MIXED_MESHES = object()
+"""``scan_leaves``'s answer, when asked, for DTensors on different meshes (list ops run per mesh)."""
+_PLAIN_TENSOR = "plain-tensor"
+_LIST_SCALARS = (bool, int, float, complex)
 
 
 def mesh_mismatch_error(op: Any, mesh: Any, other: Any) -> ValueError:
@@ -130,11 +75,12 @@ _PLAIN = object()
 """``scan_leaves``'s answer when a plain (not 0-d) tensor sits among DTensors."""
 
 
-def scan_leaves(head: Any, leaves: Any, key: list[Any], positions: list[int]) -> Any:
+def scan_leaves(head: Any, leaves: Any, key: list[Any], positions: list[int], mixed_meshes: bool = False) -> Any:
     """Add each leaf's key part to ``key`` and each DTensor's index to ``positions``; the mesh.
 
     Returns the DTensors' DeviceMesh for a plain call; None when no leaf is a DTensor; another
     marker when a list leaf holds tensors (flatten first) or a plain tensor sits among DTensors.
+    DTensors on two meshes raise, or with ``mixed_meshes`` return ``MIXED_MESHES``.
 
     A list of ints (a reduction's dims, a view's sizes) keys as a tuple and stays one leaf.
     """
@@ -148,6 +94,8 @@ def scan_leaves(head: Any, leaves: Any, key: list[Any], positions: list[int]) ->
             if mesh is None:
                 mesh = spec.mesh
             elif spec.mesh is not mesh and spec.mesh != mesh:
+                if mixed_meshes:
+                    return MIXED_MESHES
                 raise mesh_mismatch_error(getattr(head, "op", head), mesh, spec.mesh)
             positions.append(i)
             key.append(spec)
@@ -191,3 +139,30 @@ def unwrap_call(head: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Unw
     if mesh is None:
         raise AssertionError(f"{getattr(head, 'op', head)} reached the DTensor dispatcher without a DTensor argument")
     return UnwrappedCall(args, kwargs, leaves, shape, positions, tuple(key), mesh)
+
+
+def list_call_key(
+    head: Any, leaves: list[Any], shape: tuple[Any, ...], *, values_decide: bool
+) -> tuple[tuple[Any, ...], list[int], Any]:
+    """A list call's cache key, its DTensor positions and its mesh (``MIXED_MESHES`` for several).
+
+    Keyed as ``scan_leaves`` keys a call, except: a plain tensor keys by dtype and ndim (a list op's
+    rule decides what it means), and Python scalars key by type unless the rule reads their values
+    (``values_decide``): an optimizer's learning rate and bias corrections change every step.
+    """
+    keyed: list[Any] = []
+    for a in leaves:
+        kind = type(a)
+        if kind in _LIST_SCALARS:
+            if not values_decide:
+                keyed.append(kind)
+            else:
+                keyed.append(a if kind is int else (kind, a))  # 1, 1.0 and True hash alike
+        elif isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+            keyed.append((_PLAIN_TENSOR, a.dtype, a.ndim))
+        else:
+            keyed.append(a)
+    key: list[Any] = [head, shape]
+    positions: list[int] = []
+    mesh = scan_leaves(head, keyed, key, positions, mixed_meshes=True)
+    return tuple(key), positions, mesh

@@ -8,16 +8,14 @@ instead of re-parsing the schema.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from spmd.tensor.sharding.vocabulary import Answer, Decomposition, LocalArgs, LocalImpl, Rule
+
 __all__ = ["OpEntry", "functional_variant"]
-
-Rule = Callable[[Any], Sequence[Any]]
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class OpEntry:
@@ -29,11 +27,11 @@ class OpEntry:
     overload object's ``__call__`` only forwards to it), else the overload."""
     rule: Rule | None
     """Candidates per mesh dim (see registry.py); None: the op has no rule."""
-    local_args: Any
+    local_args: LocalArgs | None
     """``LocalArgs`` hook: rewrites the local call's arguments (global sizes -> local sizes)."""
-    local_impl: Any
+    local_impl: LocalImpl | None
     """``LocalImpl`` hook: computes the local result itself (random ops)."""
-    decompose: Any
+    decompose: Decomposition | None
     """``Decomposition`` hook: runs some calls as other DTensor ops."""
     inplace: bool
     """Writes into and returns its first argument (``add_``, ``copy_``)."""
@@ -53,7 +51,7 @@ class OpEntry:
     """Whether a Python float argument's value can change the decision. Elementwise rules read only
     that a scalar is there, so their calls key floats by type: AdamW's ``addcdiv_(..., value=-lr / bias
     correction)`` changes its float every step and would otherwise decide again every step."""
-    answer: Any = None
+    answer: Answer | None = None
     """``Answer`` hook: the result from the arguments' global metadata alone (``is_same_size``); the
     dispatcher returns it without deciding or moving anything, plain tensors allowed among them."""
 
@@ -62,11 +60,11 @@ class OpEntry:
         op: Any,
         rule: Rule | None = None,
         *,
-        local_args: Any = None,
-        local_impl: Any = None,
-        decompose: Any = None,
+        local_args: LocalArgs | None = None,
+        local_impl: LocalImpl | None = None,
+        decompose: Decomposition | None = None,
         float_values_matter: bool = True,
-        answer: Any = None,
+        answer: Answer | None = None,
     ) -> OpEntry:
         schema = op._schema
         name: str = schema.name

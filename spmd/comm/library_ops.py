@@ -3,8 +3,8 @@
 ``torch.compile`` traces a DTensor program down to aten ops on the local shards; the collectives a
 redistribute issues must appear in that graph as ops too, with a fake implementation that gives
 the result's shape without talking to anyone. Custom ops take only simple arguments, so a
-communicator travels as an int handle: ``group_handle(comm)`` registers it once, and the op looks
-it up again when it runs. The handle names one communicator object of one world (a threaded
+communicator travels as an int handle (spmd/comm/handles.py): ``group_handle(comm)`` registers it
+once, and the op looks it up again when it runs. The handle names one communicator object of one world (a threaded
 world's communicator serves all of its rank threads; the caller's rank is found at run time).
 
 Each op records its traffic (what CommDebugMode counts) and runs the backend's private method
@@ -14,46 +14,13 @@ new tensor (never a view of its input), as a functional op must; the backends al
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from spmd.tensor.comm.base import Communicator
+from spmd.comm.handles import communicator_for
 
-__all__ = ["group_handle", "communicator_for", "COLLECTIVE_OPS"]
-
-_handles_lock = threading.Lock()
-_next_handle = itertools.count()
-_communicators: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
-
-
-def group_handle(comm: Communicator) -> int:
-    """The int that names ``comm`` inside a collective op (assigned on first use, then cached on it)."""
-    handle = comm._handle
-    if handle is None:
-        with _handles_lock:
-            handle = comm._handle
-            if handle is None:
-                handle = next(_next_handle)
-                _communicators[handle] = comm
-                comm._handle = handle
-    return handle
-
-
-def communicator_for(handle: int) -> Communicator:
-    """The communicator ``handle`` names; it must still be alive (its world not torn down)."""
-    comm = _communicators.get(handle)
-    if comm is None:
-        raise RuntimeError(
-            f"collective group #{handle} no longer exists: its world was torn down (a finished run_threaded, "
-            "a destroyed process group); a function compiled in one world must be compiled again in the next"
-        )
-    return comm
+__all__ = ["COLLECTIVE_OPS"]
 
 
 # FRAGMENT, not DEF: the namespace may gain other ops elsewhere without a clash.

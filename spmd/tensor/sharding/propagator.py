@@ -13,59 +13,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from spmd.tensor.call_layout import unflatten_call
-from spmd.tensor.ops.registry import REGISTRY, Expansion, OpCall, OpEntry, OpRegistry, OpStrategy
 from spmd.tensor.placement import Placement, Replicate, Shard, format_placements
-from spmd.tensor.redistribute import moves_data, redistribute_cost
+from spmd.tensor.redistribute.plan import moves_data, redistribute_cost
+from spmd.tensor.sharding.call import unflatten_call
+from spmd.tensor.sharding.registry import REGISTRY, OpEntry, OpRegistry
+from spmd.tensor.sharding.vocabulary import Decision, OpCall, OpStrategy, ShardingError
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 from spmd.tensor.trace import FALLBACKS
 
-__all__ = ["Decision", "ShardingPropagator", "ShardingError", "is_inplace", "fallback_refusal"]
+__all__ = ["ShardingPropagator", "is_inplace", "fallback_refusal"]
 
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
-
-
-class ShardingError(NotImplementedError):
-    """No way to run an op on these placements; the message names the op, inputs and the fix."""
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What the dispatcher does for one (op, input specs, args) key; complete when made."""
-
-    input_placements: tuple[tuple[Placement, ...], ...]
-    output_placements: tuple[tuple[Placement, ...] | None, ...]
-    output_metas: tuple[TensorMeta | None, ...]
-    strategies: tuple[OpStrategy, ...]
-    """The candidate chosen on each mesh dim (for debug output)."""
-    cost: float
-    inplace: bool
-    local_args: Any = None
-    """The op's ``LocalArgs`` hook, if its arguments must be made local on every call."""
-    fallback: bool = False
-    """No rule: inputs were replicated and the op ran on whole tensors (outputs are Replicate)."""
-    local_impl: Any = None
-    """The op's ``LocalImpl`` hook, if it computes its local result itself."""
-    moves: tuple[int, ...] = ()
-    """Indices of the inputs whose local tensors must change (a one-rank mesh dim only relabels)."""
-    output_specs: tuple[DTensorSpec | None, ...] = ()
-    """Ready-made output specs (None for non-tensor outputs)."""
-    view_of_copy: bool = False
-    """A view op whose input is redistributed first: its output aliases a copy, not the input."""
-    decomposition: Expansion | None = None
-    """The ``Expansion`` that runs the call as other DTensor ops (the op's decomposition applies);
-    then nothing else here is used."""
-    reshapes_self: bool = False
-    """An in-place view (``squeeze_``, ``t_``): self's spec becomes the output's after the call."""
-    simple: bool = False
-    """The common case, run in-line by the dispatcher: a plain positional call (not flattened)
-    whose inputs stay where they are and whose one tensor output is a fresh DTensor (no hooks,
-    not in-place, not a view of a copy)."""
 
 
 def _local_bytes(spec: DTensorSpec) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.comm import World
+from spmd.comm import World
 
 __all__ = ["check_ranks_agree"]
 

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from spmd.comm.handles import communicator_for, group_handle
+from spmd.comm.library_ops import COLLECTIVE_OPS
+from spmd.compile.compiling import compiling_here
 from spmd.compile.properties import traceable_property
-from spmd.tensor.comm.library_ops import COLLECTIVE_OPS, group_handle
-from spmd.tensor.compiling import compiling_here
+from spmd.hooks import HOOKS
 
 __all__ = [
     "Communicator",
@@ -37,10 +39,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "CollectiveAbortedError",
     "CollectiveMismatchError",
-    "CollectiveCheck",
     "add_comm_observer",
     "remove_comm_observer",
-    "set_collective_check",
     "full_check_here",
     "CheckTicket",
     "mismatch_side",
@@ -76,15 +76,6 @@ def collective_name(kind: str, ranks: tuple[int, ...], mesh_dim: str | None) -> 
     return f"{kind} on mesh dim {label} (ranks {list(ranks)})"
 
 
-CollectiveCheck = Callable[["Communicator", str, "torch.Tensor | None", str], None]
-"""``check(comm, kind, tensor, detail)``: runs before each collective while installed (debug/check.py)."""
-
-_collective_check: CollectiveCheck | None = None
-_full_check_query: Callable[[], bool] | None = None
-_side_of: Callable[[CheckTicket], Any] | None = None
-_mismatch_error: Callable[[Communicator, int, list[Any]], CollectiveMismatchError] | None = None
-
-
 @dataclass(slots=True)
 class CheckTicket:
     """What the collective check knows of one collective a rank is about to issue.
@@ -106,45 +97,27 @@ class CheckTicket:
     """True for the collectives the check compares (the warm-up's first runs, every one under the full check)."""
 
 
-def set_collective_check(
-    check: CollectiveCheck | None,
-    *,
-    full_check_here: Callable[[], bool] | None = None,
-    side_of: Callable[[CheckTicket], Any] | None = None,
-    mismatch_error: Callable[[Communicator, int, list[Any]], CollectiveMismatchError] | None = None,
-) -> None:
-    """Install (or, with None, remove) the hook every collective calls before it runs.
-
-    ``spmd.tensor.debug.check`` installs it (the warm-up check is on by default); with none
-    installed a collective pays one global read. ``full_check_here()`` says whether the calling
-    rank checks every collective (``SPMD_DEBUG=check``): the replica checks run only then.
-    ``side_of(ticket)`` is a rank's fingerprint of its collective (run on its own thread, so the
-    call site is its own) and ``mismatch_error(comm, seq, sides)`` the error every member raises
-    when the sides (one per member, in group order) disagree.
-    """
-    global _collective_check, _full_check_query, _side_of, _mismatch_error
-    _collective_check = check
-    _full_check_query = full_check_here
-    _side_of = side_of
-    _mismatch_error = mismatch_error
-
-
 def full_check_here() -> bool:
     """Whether the calling rank runs the full collective check (and with it the replica checks)."""
-    return _full_check_query is not None and _full_check_query()
+    check = HOOKS.collective_check
+    return check is not None and check.full_check_here()
 
 
 def mismatch_side(ticket: CheckTicket | None, kind: str) -> Any:
     """This rank's side of a disagreement: its fingerprint, or just the kind when no check saw it."""
-    if ticket is None or _side_of is None:
+    check = HOOKS.collective_check
+    if ticket is None or check is None:
         return f"{kind} (not fingerprinted: issued with the checks off, from compiled code, or by spmd itself)"
-    return _side_of(ticket)
+    return check.side_of(ticket)
 
 
 def mismatch_error(comm: Communicator, seq: int, sides: list[Any]) -> CollectiveMismatchError:
     """The error each member raises when ``sides`` (one per member, in group order) disagree."""
-    if _mismatch_error is not None:
-        return _mismatch_error(comm, seq, sides)
+    check = HOOKS.collective_check
+    if check is not None:
+        error = check.mismatch_error(comm, seq, sides)
+        assert isinstance(error, CollectiveMismatchError)
+        return error
     lines = "\n".join(f"  rank {rank}: {side}" for rank, side in zip(comm.ranks, sides))
     return CollectiveMismatchError(f"collective #{seq} {comm.describe('')}: the ranks disagree:\n{lines}")
 
@@ -200,6 +173,8 @@ class Communicator(ABC):
     """
 
     mesh_dim: str | None = None
+    group_name: str = ""
+    """The group's name in its backend (c10d's ``group_name``); empty where it has none."""
     context: tuple[Any, ...] = ()
     """What the caller is doing (a redistribute step and its spec), for the collective check."""
     _handle: int | None = None
@@ -223,8 +198,6 @@ class Communicator(ABC):
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
         """Source that finds this communicator again, should a compiled graph hold it as a constant."""
-        from spmd.tensor.comm.library_ops import communicator_for
-
         return f"communicator_for({self.group_handle()})", {"communicator_for": communicator_for}
 
     @traceable_property  # not property: torch.compile reads it on communicators from outside the region
@@ -253,7 +226,7 @@ class Communicator(ABC):
 
         Free when no check is installed (returns ``self``).
         """
-        if _collective_check is None:
+        if HOOKS.collective_check is None:
             return self
         group_handle(self)  # the copy shares this handle, so a compiled graph never names a short-lived copy
         view = copy.copy(self)
@@ -275,8 +248,9 @@ class Communicator(ABC):
         the compiler traces (Dynamo, then AOTAutograd on fake tensors) nothing is issued, so a check
         there would be a round no peer joins.
         """
-        if _collective_check is not None and not compiling_here() and not is_fake(tensor):
-            _collective_check(self, kind, tensor, detail)
+        check = HOOKS.collective_check
+        if check is not None and not compiling_here() and not is_fake(tensor):
+            check.before(self, kind, tensor, detail)
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         """Tell the observers (CommDebugMode) of collective ``kind`` on ``tensor``, the input one member gives."""
@@ -319,8 +293,9 @@ class Communicator(ABC):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python values from every member, in group order (used by sanity checks only)."""
-        if _collective_check is not None:
-            _collective_check(self, "all_gather_object", None, "")
+        check = HOOKS.collective_check
+        if check is not None:
+            check.before(self, "all_gather_object", None, "")
         return self._all_gather_object(obj)
 
     def _verify(self, ticket: CheckTicket) -> None:

@@ -1,0 +1,19 @@
+"""Redistribute: any placements to any placements on any mesh.
+
+- ``plan``: the steps from one set of placements to another, and what a move costs;
+- ``run``: running a plan on this rank's shard, and the differentiable ``Redistribute``;
+- ``collectives``: the executor, every collective the library issues.
+"""
+
+from spmd.tensor.redistribute.plan import FlattenedStep, TransformStep, moves_data, plan_redistribute, redistribute_cost
+from spmd.tensor.redistribute.run import Redistribute, redistribute_local
+
+__all__ = [
+    "TransformStep",
+    "FlattenedStep",
+    "plan_redistribute",
+    "redistribute_cost",
+    "moves_data",
+    "redistribute_local",
+    "Redistribute",
+]
