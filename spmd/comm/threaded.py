@@ -183,25 +183,7 @@ class ThreadedWorld(World):
         """
         me = self.current_rank()
         timeout = self.timeout if timeout_s is None else timeout_s
-        index = ranks.index(me)
-        with self._lock:
-            seq = self._next_seq.get((ranks, me), 0)
-            self._next_seq[(ranks, me)] = seq + 1
-            key = (ranks, seq)
-            rnd = self._rounds.get(key)
-            if rnd is None:
-                rnd = self._rounds[key] = _Round(kind, [None] * len(ranks), [None] * len(ranks))
-                if self._failure is not None:
-                    rnd.done.set()
-            if rnd.kind != kind and rnd.sides is None:
-                rnd.sides = {}
-                rnd.done.set()  # wake the members already waiting: they describe themselves too
-            if rnd.sides is None:
-                rnd.values[index] = value
-                rnd.tickets[index] = ticket
-                rnd.arrived.add(me)
-                if len(rnd.arrived) == len(ranks):
-                    rnd.done.set()
+        rnd, seq = self._deposit(ranks, me, kind, value, ticket)
         name = collective_name(kind, ranks, mesh_dim)
         if rnd.sides is None and not rnd.done.wait(timeout):
             missing = sorted(set(ranks) - rnd.arrived)
@@ -224,8 +206,36 @@ class ThreadedWorld(World):
         with self._lock:
             rnd.left += 1
             if rnd.left == len(ranks):
-                del self._rounds[key]
+                del self._rounds[(ranks, seq)]
         return list(rnd.values)
+
+    def _deposit(
+        self, ranks: tuple[int, ...], me: int, kind: str, value: Any, ticket: CheckTicket | None
+    ) -> tuple[_Round, int]:
+        """Put the caller's value into the round of its next collective on ``ranks``; the round and its number.
+
+        A member that brings another kind of collective than the round's marks the round as
+        disagreeing (``sides``) and wakes the members already waiting, so they describe themselves too.
+        """
+        index = ranks.index(me)
+        with self._lock:
+            seq = self._next_seq.get((ranks, me), 0)
+            self._next_seq[(ranks, me)] = seq + 1
+            rnd = self._rounds.get((ranks, seq))
+            if rnd is None:
+                rnd = self._rounds[(ranks, seq)] = _Round(kind, [None] * len(ranks), [None] * len(ranks))
+                if self._failure is not None:
+                    rnd.done.set()
+            if rnd.kind != kind and rnd.sides is None:
+                rnd.sides = {}
+                rnd.done.set()
+            if rnd.sides is None:
+                rnd.values[index] = value
+                rnd.tickets[index] = ticket
+                rnd.arrived.add(me)
+                if len(rnd.arrived) == len(ranks):
+                    rnd.done.set()
+        return rnd, seq
 
     def _raise_mismatch(
         self,

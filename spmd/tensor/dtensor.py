@@ -19,31 +19,41 @@ from typing import Any
 import torch
 
 from spmd.comm.base import full_check_here
-from spmd.comm.replicas import call_site, compare_replicas, tensor_label, user_frame
 from spmd.comm.threaded import thread_rank
 from spmd.compile import values as _compile_values  # noqa: F401  (meshes, placements: constants to Dynamo)
 from spmd.compile.cache_key import stable_cache_key
 from spmd.compile.compiling import compiling_here
 from spmd.compile.eager_frames import keep_dynamo_out_of_dispatch
+from spmd.compile.guards import (
+    COMPILE_LOGGER,
+    CompiledInputMismatch,
+    DataDependentShapeError,
+    FlatContext,
+    describe_change,
+)
 from spmd.hooks import HOOKS
 from spmd.tensor import checkpoint_protocol
 from spmd.tensor.device_mesh.mesh import DeviceMesh, current_mesh
-from spmd.tensor.placement import Partial, Placement, Replicate, _is_shard_like, shard_sizes
-from spmd.tensor.redistribute.collectives import agree, broadcast_from
+from spmd.tensor.local_shards import (
+    FROM_LOCAL_FIX,
+    GRAD_FIX,
+    check_and_gather_shape,
+    compare_replicated,
+    infer_global_shape,
+    label_local,
+    layout_strides,
+)
+from spmd.tensor.placement import Partial, Placement, Replicate
+from spmd.tensor.redistribute.collectives import broadcast_from
 from spmd.tensor.redistribute.run import Redistribute, grad_placements_for, redistribute_local
 from spmd.tensor.spec import (
     DTensorSpec,
     TensorMeta,
     contiguous_strides,
-    local_shape,
     normalize_placements,
 )
 
 __all__ = ["DTensor", "DataDependentShapeError", "implicit_replication"]
-
-
-_FlatContext = tuple[DTensorSpec, bool, int | None, tuple[Placement, ...] | None]
-"""What ``__tensor_flatten__`` hands torch.compile: spec, requires_grad, rank thread, to_local()'s mark."""
 
 
 class DTensor(torch.Tensor):
@@ -91,7 +101,7 @@ class DTensor(torch.Tensor):
         return result
 
     # ----- torch.compile: AOTAutograd takes a DTensor apart into its local shard and its spec -------
-    def __tensor_flatten__(self) -> tuple[list[str], _FlatContext]:
+    def __tensor_flatten__(self) -> tuple[list[str], FlatContext]:
         """The inner tensor the compiler traces (the local shard) and the hashable context it guards on.
 
         The context holds the calling thread's rank in a threaded world (None elsewhere): a traced
@@ -108,7 +118,7 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(
         inner_tensors: dict[str, torch.Tensor],
-        context: _FlatContext,
+        context: FlatContext,
         outer_size: Any,
         outer_stride: Any,
     ) -> DTensor:
@@ -124,9 +134,7 @@ class DTensor(torch.Tensor):
         return made
 
     @classmethod
-    def __metadata_guard__(
-        cls, expected: _FlatContext, actual: _FlatContext
-    ) -> bool:
+    def __metadata_guard__(cls, expected: FlatContext, actual: FlatContext) -> bool:
         """torch.compile's check that a DTensor input still matches the graph it was traced for.
 
         A mismatch raises instead of returning False: Dynamo counts the guard as failed either way,
@@ -137,9 +145,9 @@ class DTensor(torch.Tensor):
         """
         if expected == actual:
             return True
-        if _COMPILE_LOGGER.isEnabledFor(logging.INFO):
-            _COMPILE_LOGGER.info(
-                "DTensor input differs from a compiled graph's: %s", _describe_change(expected, actual)
+        if COMPILE_LOGGER.isEnabledFor(logging.INFO):
+            COMPILE_LOGGER.info(
+                "DTensor input differs from a compiled graph's: %s", describe_change(expected, actual)
             )
         raise CompiledInputMismatch(expected, actual)
 
@@ -149,9 +157,7 @@ class DTensor(torch.Tensor):
             return self
         return self.redistribute(placements=grad_placements_for(self._spec.placements))
 
-    def __coerce_same_metadata_as_tangent__(
-        self, context: _FlatContext, expected_type: Any = None
-    ) -> DTensor | None:
+    def __coerce_same_metadata_as_tangent__(self, context: FlatContext, expected_type: Any = None) -> DTensor | None:
         """The runtime gradient laid out as the one the compiled backward was traced with."""
         if expected_type is not None:
             return None
@@ -320,113 +326,11 @@ def _keep_dynamo_out_of_dispatch() -> None:
         _dynamo_kept_out = True
 
 
-class DataDependentShapeError(NotImplementedError):
-    """An op whose output shape depends on its inputs' values ran on DTensors inside torch.compile.
-
-    A ``NotImplementedError``, so that Dynamo without ``fullgraph=True`` breaks the graph there and
-    runs the op eagerly.
-    """
-
-    def __init__(self, op: Any) -> None:
-        super().__init__(
-            f"{op} gives an output whose shape depends on the values of its inputs; under torch.compile that "
-            "shape is a symbol, which a DTensor's spec (static shapes) cannot hold. Call it outside the compiled "
-            "function, or let torch.compile break the graph there (no fullgraph=True)"
-        )
-
-
-_COMPILE_LOGGER = logging.getLogger("spmd.compile")
-
-
-class CompiledInputMismatch(Exception):
-    """A DTensor input's flatten context differs from the one a compiled graph was traced for."""
-
-    def __init__(self, expected: _FlatContext, actual: _FlatContext):
-        super().__init__()
-        self.expected, self.actual = expected, actual
-
-    def __str__(self) -> str:
-        return f"DTensor input differs from the compiled graph's: {_describe_change(self.expected, self.actual)}"
-
-
-def _describe_change(
-    expected: _FlatContext, actual: _FlatContext
-) -> str:
-    """``spec f32[4,2] (S(0)) on mesh(d0=2) -> f32[4,2] (R) on mesh(d0=2)``: what a failed guard saw."""
-    names = ("spec", "requires_grad", "rank", "to_local()'s gradient placements")
-    return "; ".join(f"{name} {old} -> {new}" for name, old, new in zip(names, expected, actual) if old != new)
-
-
 def _is_list_index(index: Any) -> bool:
     """The index holds a Python list and no plain (not 0-d) tensor, which could differ between ranks."""
     parts = index if isinstance(index, tuple) else (index,)
     plain = any(isinstance(i, torch.Tensor) and not isinstance(i, DTensor) and i.ndim > 0 for i in parts)
     return not plain and any(isinstance(i, list) for i in parts)
-
-
-def _infer_global_shape(
-    local_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
-) -> tuple[int, ...]:
-    shape = list(local_shape)
-    for size, p in zip(mesh.shape, placements):
-        if _is_shard_like(p):  # Shard or _StridedShard: even pieces assumed
-            shape[p.dim] *= size
-    return tuple(shape)
-
-
-def _check_and_gather_shape(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
-) -> tuple[int, ...]:
-    """run_check: compare every rank's local meta and return the global shape it implies."""
-    # (coordinate, local shape, dtype) of every rank of the mesh
-    strides = local.stride()
-    order = tuple(sorted(range(local.ndim), key=lambda d: (-strides[d], d)))
-    entry = (mesh._require_coordinate(), tuple(local.shape), str(local.dtype), local.requires_grad, order)
-    metas: list[tuple[tuple[int, ...], tuple[int, ...], str, bool, tuple[int, ...]]] = agree(
-        mesh, range(mesh.ndim), entry
-    )
-    dtypes = {m[2] for m in metas}
-    if len(dtypes) != 1:
-        raise ValueError(f"from_local: ranks passed local tensors of different dtypes {sorted(dtypes)}")
-    if len({m[3] for m in metas}) != 1:
-        raise ValueError(
-            "from_local: some ranks passed local tensors that require grad and some that do not; "
-            "set requires_grad alike on every rank"
-        )
-    if len({m[4] for m in metas}) != 1 and len({m[1] for m in metas}) == 1:
-        raise ValueError(
-            "from_local: ranks passed local tensors of different memory layouts (strides "
-            f"{local.stride()} on this rank); make them alike, e.g. with .contiguous()"
-        )
-    ndims = {len(m[1]) for m in metas}
-    if len(ndims) != 1:
-        raise ValueError(f"from_local: ranks passed local tensors of different ranks (ndim) {sorted(ndims)}")
-    global_shape = list(shape) if shape is not None else None
-    by_coord = {m[0]: m[1] for m in metas}
-    ndim = ndims.pop()
-    if global_shape is None:
-        global_shape = []
-        for dim in range(ndim):
-            mesh_dims = [d for d, p in enumerate(placements) if _is_shard_like(p) and p.dim == dim]
-            if not mesh_dims:
-                global_shape.append(local.shape[dim])
-                continue
-            # Sum the pieces along the mesh dims that shard this tensor dim, at coordinate 0 elsewhere.
-            total = 0
-            for coord, lshape in by_coord.items():
-                if all(c == 0 for d, c in enumerate(coord) if d not in mesh_dims):
-                    total += lshape[dim]
-            global_shape.append(total)
-    for coord, lshape in sorted(by_coord.items()):
-        expected = local_shape(global_shape, mesh, placements, coord)
-        if tuple(lshape) != expected:
-            raise ValueError(
-                f"from_local: the rank at mesh coordinate {coord} passed a local tensor of shape "
-                f"{list(lshape)}, but placements {[str(p) for p in placements]} of a global tensor of "
-                f"shape {global_shape} give it {list(expected)}; pass local shards of torch.chunk sizes "
-                f"(uneven pieces e.g. {shard_sizes(7, 4)} for 7 over 4) or the right shape="
-            )
-    return tuple(global_shape)
 
 
 def from_local_eager(
@@ -450,23 +354,6 @@ def from_local_eager(
     return _FromLocal.apply(local_tensor, device_mesh, normalized, run_check, shape, stride, grads)  # type: ignore[no-untyped-call]
 
 
-def layout_strides(local: torch.Tensor, global_shape: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides of ``global_shape`` that keep ``local``'s dim order (outermost = largest stride).
-
-    A transposed local shard stands for a transposed global tensor, as on a single device.
-    """
-    if local.is_contiguous():
-        return contiguous_strides(global_shape)
-    local_strides = local.stride()
-    order = sorted(range(local.ndim), key=lambda d: (-local_strides[d], d))  # outermost first
-    strides = [0] * local.ndim
-    running = 1
-    for d in reversed(order):
-        strides[d] = running
-        running *= max(global_shape[d], 1)
-    return tuple(strides)
-
-
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -481,14 +368,14 @@ class _FromLocal(torch.autograd.Function):
     ) -> DTensor:
         member = mesh.get_coordinate() is not None
         if run_check and member:
-            global_shape = _check_and_gather_shape(local, mesh, placements, shape)
+            global_shape = check_and_gather_shape(local, mesh, placements, shape)
             for d, p in enumerate(placements):
                 if isinstance(p, Replicate):
                     local = broadcast_from(mesh, d, local.detach())
         elif shape is not None:
             global_shape = tuple(shape)
         else:
-            global_shape = _infer_global_shape(local.shape, mesh, placements)
+            global_shape = infer_global_shape(local.shape, mesh, placements)
         if stride is None:
             stride = layout_strides(local, global_shape)
         spec = DTensorSpec(mesh, placements, TensorMeta(tuple(global_shape), tuple(stride), local.dtype))
@@ -496,9 +383,9 @@ class _FromLocal(torch.autograd.Function):
             local = local.new_empty(0)
         ctx.label = ""
         if member and full_check_here() and not compiling_here():  # SPMD_DEBUG=check
-            ctx.label = _label_local(local, "DTensor.from_local")
+            ctx.label = label_local(local, "DTensor.from_local")
             if not run_check:  # run_check broadcast the replicated dims already
-                _compare_replicated(local, spec, placements, f"the local tensor passed to {ctx.label}", _FROM_LOCAL_FIX)
+                compare_replicated(local, spec, placements, f"the local tensor passed to {ctx.label}", FROM_LOCAL_FIX)
         ctx.spec = spec
         ctx.grad_placements = grad_placements
         # The DTensor must not alias the caller's tensor object for autograd, but may share storage.
@@ -511,7 +398,7 @@ class _FromLocal(torch.autograd.Function):
             return (None,) * 7
         if full_check_here() and not compiling_here():
             what = f"the gradient arriving at the backward of {ctx.label or 'DTensor.from_local'}"
-            _compare_replicated(grad._local_tensor, grad._spec, grad._spec.placements, what, _GRAD_FIX)
+            compare_replicated(grad._local_tensor, grad._spec, grad._spec.placements, what, GRAD_FIX)
         if ctx.grad_placements is not None:
             return redistribute_local(grad._local_tensor, grad._spec, ctx.grad_placements), *(None,) * 6
         target = grad_placements_for(spec.placements)
@@ -535,7 +422,7 @@ class _ToLocal(torch.autograd.Function):
         ctx.grad_placements = grad_placements
         ctx.label = ""
         if full_check_here() and not compiling_here():  # SPMD_DEBUG=check
-            ctx.label = _label_local(input, "to_local()")
+            ctx.label = label_local(input, "to_local()")
         return input._local_tensor.view_as(input._local_tensor)
 
     @staticmethod
@@ -544,7 +431,7 @@ class _ToLocal(torch.autograd.Function):
         placements = ctx.grad_placements or spec.placements
         if full_check_here() and not compiling_here() and spec.mesh.get_coordinate() is not None:
             what = f"the gradient arriving at the backward of {ctx.label or 'to_local()'}"
-            _compare_replicated(grad, spec, placements, what, _GRAD_FIX)
+            compare_replicated(grad, spec, placements, what, GRAD_FIX)
         grad_spec = DTensorSpec(
             spec.mesh, tuple(placements), TensorMeta(spec.shape, contiguous_strides(spec.shape), grad.dtype)
         )
@@ -552,34 +439,6 @@ class _ToLocal(torch.autograd.Function):
 
 
 _DETACH = torch.ops.aten.detach.default
-
-_FROM_LOCAL_FIX = (
-    "Replicate() promises the same values on every rank of that dim: pass the same values (the same seed, "
-    "or from_local(..., run_check=True) to broadcast them), claim Partial() if each rank holds a part to be "
-    "summed, or all_reduce the local tensor first."
-)
-_GRAD_FIX = (
-    "The local code after to_local() made the gradient depend on the rank (rank-dependent inputs, or a "
-    "local loss): pass to_local(grad_placements=[Partial()]) (or from_local(..., grad_placements=...)) so "
-    "the per-rank gradients are summed, or all_reduce them yourself."
-)
-
-
-def _label_local(tensor: torch.Tensor, call: str) -> str:
-    """``to_local() of Linear.weight at train.py:12 in forward``: how replica errors name a tensor."""
-    frame = user_frame()
-    name = tensor_label(tensor, frame)
-    return f"{call} of {name} at {call_site(frame)}" if name else f"{call} at {call_site(frame)}"
-
-
-def _compare_replicated(
-    local: torch.Tensor, spec: DTensorSpec, placements: Sequence[Placement], what: str, fix: str
-) -> None:
-    """The replica check (SPMD_DEBUG=check) on every mesh dim of ``placements`` that says Replicate."""
-    for d, placement in enumerate(placements):
-        if isinstance(placement, Replicate) and spec.mesh.shape[d] > 1:
-            compare_replicas(local, spec.mesh.get_communicator(d), what, fix)
-
 
 class _ImplicitReplication(threading.local):
     enabled = False

@@ -30,7 +30,7 @@ from spmd.tensor.sharding.call import flatten_call, leaf_arguments, list_entries
 from spmd.tensor.sharding.propagator import ShardingPropagator
 from spmd.tensor.sharding.registry import REGISTRY, OpEntry
 from spmd.tensor.sharding.vocabulary import Decision, OpCall, ShardingError
-from spmd.tensor.spec import DTensorSpec, TensorMeta, has_strided
+from spmd.tensor.spec import DTensorSpec, has_strided
 from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
 
 __all__ = ["ListOps"]
@@ -147,85 +147,69 @@ class ListOps:
         op = entry.op
         names = leaf_arguments(op, shape, kwarg_names, len(leaves))
         _check_lists(op, leaves, names, shape)
-        if entry.decompose is not None:
-            spec_leaves = [a._spec if isinstance(a, DTensor) else a for a in leaves]
-            spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
-            specs = tuple(leaves[i]._spec for i in positions)
-            decomposed = self.propagator.decompose(OpCall(op, tuple(spec_args), spec_kwargs, specs, ()), entry)
-            if decomposed is not None:
-                return decomposed, ()
+        decomposed = self._decomposed(entry, leaves, shape, kwarg_names, positions)
+        if decomposed is not None:
+            return decomposed, ()
         # Tensors are marked so each element call maps back to the leaves; scalars stay for the rule to read.
         marks = [_Leaf(i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(leaves)]
         marked_args, marked_kwargs = unflatten_call(marks, shape, kwarg_names)
         wanted: dict[int, tuple[Placement, ...]] = {}
-        output_placements: list[tuple[Placement, ...] | None] = []
-        output_metas: list[TensorMeta | None] = []
-        strategies: list[Any] = []
-        cost = 0.0
-        for index, (element_op, element_args, element_kwargs) in enumerate(
-            rule.element_calls(op, marked_args, marked_kwargs)
-        ):
-            marked, element_shape = flatten_call(tuple(element_args), element_kwargs)
-            element_leaves = [leaves[m.index] if isinstance(m, _Leaf) else m for m in marked]
-            element_positions: list[int] = []
-            for k, a in enumerate(element_leaves):
-                if isinstance(a, DTensor):
-                    element_positions.append(k)
-                elif isinstance(a, torch.Tensor) and a.ndim != 0:
-                    raise RuntimeError(
-                        f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
-                        f"argument at list position {index}, next to DTensors; convert it with "
-                        "distribute_tensor(t, mesh, placements) or DTensor.from_local first"
-                    )
-            if not element_positions:
-                raise RuntimeError(
-                    f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
-                    "make the tensors at every position DTensors"
-                )
-            try:
-                decision = self.element_decision(element_op, element_leaves, element_shape, list(element_kwargs))
-            except ShardingError as error:
-                raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
-            if decision.decomposition is not None:
-                raise ShardingError(
-                    f"{op} at list position {index} is decided like {element_op}, which runs as other ops on "
-                    f"these inputs; register a decomposition for {op} too (see spmd/tensor/ops/foreach.py)"
-                )
-            for n, k in enumerate(element_positions):
-                leaf = marked[k].index
-                want = decision.input_placements[n]
+        decisions: list[Decision] = []
+        for index, element_call in enumerate(rule.element_calls(op, marked_args, marked_kwargs)):
+            dtensor_leaves, decision = self._decide_position(op, index, element_call, leaves, names)
+            for leaf, want in zip(dtensor_leaves, decision.input_placements):
                 if wanted.setdefault(leaf, want) != want:
                     raise ShardingError(
                         f"{op}: its {names[leaf]!r} argument is shared by every list position, and position "
                         f"{index} needs it as {format_placements(want)} where an earlier one needs "
                         f"{format_placements(wanted[leaf])}; redistribute it to Replicate() first"
                     )
-            if op._schema.returns:
-                output_placements.append(decision.output_placements[0])
-                output_metas.append(decision.output_metas[0])
-            strategies.extend(decision.strategies)
-            cost += decision.cost
-        mesh = leaves[positions[0]]._spec.mesh
-        input_placements = tuple(wanted[i] for i in positions)
-        moves = tuple(
-            n for n, i in enumerate(positions) if moves_data(leaves[i]._spec.placements, input_placements[n], mesh.shape)
-        )
-        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-        written -= set(rule.scratch)
-        write_back = tuple(n for n in moves if names[positions[n]] in written)
-        decision = Decision(
-            input_placements=input_placements,
-            output_placements=tuple(output_placements),
-            output_metas=tuple(output_metas),
-            strategies=tuple(strategies),
-            cost=cost,
-            inplace=entry.inplace,
-            moves=moves,
-            output_specs=tuple(
-                None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
-            ),
-        )
-        return decision, write_back
+            decisions.append(decision)
+        return _combine(entry, rule, leaves, positions, names, wanted, decisions)
+
+    def _decomposed(
+        self, entry: OpEntry, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
+    ) -> Decision | None:
+        """The decision to run the list call as other ops, when the op's decomposition applies to it."""
+        if entry.decompose is None:
+            return None
+        spec_leaves = [a._spec if isinstance(a, DTensor) else a for a in leaves]
+        spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
+        specs = tuple(leaves[i]._spec for i in positions)
+        return self.propagator.decompose(OpCall(entry.op, tuple(spec_args), spec_kwargs, specs, ()), entry)
+
+    def _decide_position(
+        self, op: Any, index: int, element_call: tuple[Any, Any, Any], leaves: list[Any], names: list[str]
+    ) -> tuple[list[int], Decision]:
+        """List position ``index`` decided as its element call: the leaves of its DTensors, and the decision."""
+        element_op, element_args, element_kwargs = element_call
+        marked, element_shape = flatten_call(tuple(element_args), element_kwargs)
+        element_leaves = [leaves[m.index] if isinstance(m, _Leaf) else m for m in marked]
+        dtensor_leaves: list[int] = []
+        for k, a in enumerate(element_leaves):
+            if isinstance(a, DTensor):
+                dtensor_leaves.append(marked[k].index)
+            elif isinstance(a, torch.Tensor) and a.ndim != 0:
+                raise RuntimeError(
+                    f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
+                    f"argument at list position {index}, next to DTensors; convert it with "
+                    "distribute_tensor(t, mesh, placements) or DTensor.from_local first"
+                )
+        if not dtensor_leaves:
+            raise RuntimeError(
+                f"{op} has no DTensor at list position {index} while other positions hold DTensors; "
+                "make the tensors at every position DTensors"
+            )
+        try:
+            decision = self.element_decision(element_op, element_leaves, element_shape, list(element_kwargs))
+        except ShardingError as error:
+            raise ShardingError(f"{op} at list position {index} (decided like {element_op}): {error}") from error
+        if decision.decomposition is not None:
+            raise ShardingError(
+                f"{op} at list position {index} is decided like {element_op}, which runs as other ops on "
+                f"these inputs; register a decomposition for {op} too (see spmd/tensor/ops/foreach.py)"
+            )
+        return dtensor_leaves, decision
 
     def element_decision(
         self, element_op: Any, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str]
@@ -242,3 +226,41 @@ class ListOps:
             ),
         )
         return decision
+
+
+def _combine(
+    entry: OpEntry,
+    rule: ListRule,
+    leaves: list[Any],
+    positions: list[int],
+    names: list[str],
+    wanted: dict[int, tuple[Placement, ...]],
+    decisions: list[Decision],
+) -> tuple[Decision, tuple[int, ...]]:
+    """The list call's decision from its positions' (each output i is position i's), and the inputs
+    it writes that must be copied back to their own layout after the kernel."""
+    op = entry.op
+    mesh = leaves[positions[0]]._spec.mesh
+    input_placements = tuple(wanted[i] for i in positions)
+    moves = tuple(
+        n for n, i in enumerate(positions) if moves_data(leaves[i]._spec.placements, input_placements[n], mesh.shape)
+    )
+    written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written -= set(rule.scratch)
+    write_back = tuple(n for n in moves if names[positions[n]] in written)
+    returns = bool(op._schema.returns)
+    output_placements = tuple(d.output_placements[0] for d in decisions) if returns else ()
+    output_metas = tuple(d.output_metas[0] for d in decisions) if returns else ()
+    decision = Decision(
+        input_placements=input_placements,
+        output_placements=output_placements,
+        output_metas=output_metas,
+        strategies=tuple(s for d in decisions for s in d.strategies),
+        cost=sum(d.cost for d in decisions),
+        inplace=entry.inplace,
+        moves=moves,
+        output_specs=tuple(
+            None if p is None or m is None else DTensorSpec(mesh, p, m) for p, m in zip(output_placements, output_metas)
+        ),
+    )
+    return decision, write_back

@@ -215,59 +215,80 @@ def plan_redistribute(
         raise ValueError(f"cannot redistribute {len(src)} placements into {len(dst)}")
     if has_strided(src) or has_strided(dst):
         return strided_route(src, dst, ndim)
-    n = len(src)
-    cur = list(src)
-    involved = [_shard_dims(src[d]) | _shard_dims(dst[d]) for d in range(n)]
-    rebuilt = [False] * n
-    for d in range(n):
-        kept = _shard_dims(src[d])
-        rebuilt[d] = src[d] != dst[d] or any(rebuilt[e] and kept & involved[e] for e in range(d))
-    steps: list[TransformStep] = []
+    plan = _PlainPlan(src, dst)
+    plan.reduce_partials(ndim)
+    plan.unshard()
+    plan.shard_into_target()
+    if plan.cur != list(dst):  # the passes are complete; this guards future edits
+        raise AssertionError(f"redistribute plan {src} -> {dst} ended at {tuple(plan.cur)}")
+    return tuple(plan.steps)
 
-    def move(d: int, to: Placement) -> None:
-        steps.append(TransformStep(d, cur[d], to))
-        cur[d] = to
 
-    def free_after(d: int, dims: set[int]) -> bool:
-        return not any(_shard_dims(cur[e]) & dims for e in range(d + 1, n))
+class _PlainPlan:
+    """The three passes of ``plan_redistribute`` over plain placements, building ``steps``."""
 
-    def safe_target(d: int, target: Placement) -> bool:
+    def __init__(self, src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> None:
+        self.src, self.dst, self.n = src, dst, len(src)
+        self.cur = list(src)
+        self.steps: list[TransformStep] = []
+        self.involved = [_shard_dims(src[d]) | _shard_dims(dst[d]) for d in range(self.n)]
+        self.rebuilt = [False] * self.n
+        """Mesh dims whose piece must be rebuilt: they change, or an earlier rebuilt dim cuts a tensor
+        dim they cut too."""
+        for d in range(self.n):
+            kept = _shard_dims(src[d])
+            self.rebuilt[d] = src[d] != dst[d] or any(self.rebuilt[e] and kept & self.involved[e] for e in range(d))
+
+    def move(self, d: int, to: Placement) -> None:
+        self.steps.append(TransformStep(d, self.cur[d], to))
+        self.cur[d] = to
+
+    def free_after(self, d: int, dims: set[int]) -> bool:
+        return not any(_shard_dims(self.cur[e]) & dims for e in range(d + 1, self.n))
+
+    def safe_target(self, d: int, target: Placement) -> bool:
         """Sharding ``target`` at d now must not block an earlier mesh dim that is still to change."""
         dims = _shard_dims(target)
-        return free_after(d, dims | _shard_dims(cur[d])) and not any(
-            rebuilt[e] and involved[e] & dims for e in range(d)
+        return self.free_after(d, dims | _shard_dims(self.cur[d])) and not any(
+            self.rebuilt[e] and self.involved[e] & dims for e in range(d)
         )
 
-    to_replicate = [d for d in range(n) if isinstance(src[d], Partial) and isinstance(dst[d], Replicate)]
-    unused = [k for k in range(ndim or 0) if not any(k in dims for dims in involved)]
-    scatter_at = to_replicate[-1] if len(to_replicate) >= 2 and unused else None
-    for d in reversed(range(n)):
-        if d == scatter_at:
-            move(d, Shard(unused[0]))  # gathered back in the last pass
-            continue
-        reducible = isinstance(dst[d], Replicate) or (isinstance(dst[d], Shard) and safe_target(d, dst[d]))
-        if rebuilt[d] and isinstance(cur[d], Partial) and reducible:
-            move(d, dst[d])
-    for d in reversed(range(n)):
-        if rebuilt[d] and isinstance(src[d], Shard):  # partial dims reduced above are final
-            target = dst[d]
-            # S -> P pads locally with the reduction's identity; with another partial dim (now or in
-            # the target) that identity would be reduced too (and overflow, for integers): gather.
-            partial_dims = sum(isinstance(p, Partial) for p in (*cur, *dst))
-            lone_partial = isinstance(target, Partial) and partial_dims == 1
-            if lone_partial or (isinstance(target, Shard) and target != cur[d] and safe_target(d, target)):
-                move(d, target)
-            else:
-                move(d, REPLICATE)
-    for d in range(n):
-        if cur[d] == dst[d]:
-            continue
-        if isinstance(cur[d], Partial) and isinstance(dst[d], Partial):
-            move(d, REPLICATE)
-        move(d, dst[d])
-    if cur != list(dst):  # the passes above are complete; this guards future edits
-        raise AssertionError(f"redistribute plan {src} -> {dst} ended at {tuple(cur)}")
-    return tuple(steps)
+    def reduce_partials(self, ndim: int | None) -> None:
+        """Pass 1: reduce pending partials early, while tensors are smallest."""
+        src, dst = self.src, self.dst
+        to_replicate = [d for d in range(self.n) if isinstance(src[d], Partial) and isinstance(dst[d], Replicate)]
+        unused = [k for k in range(ndim or 0) if not any(k in dims for dims in self.involved)]
+        scatter_at = to_replicate[-1] if len(to_replicate) >= 2 and unused else None
+        for d in reversed(range(self.n)):
+            if d == scatter_at:
+                self.move(d, Shard(unused[0]))  # gathered back in the last pass
+                continue
+            reducible = isinstance(dst[d], Replicate) or (isinstance(dst[d], Shard) and self.safe_target(d, dst[d]))
+            if self.rebuilt[d] and isinstance(self.cur[d], Partial) and reducible:
+                self.move(d, dst[d])
+
+    def unshard(self) -> None:
+        """Pass 2, last mesh dim first: unshard what must change (``S -> S`` when nothing later is disturbed)."""
+        for d in reversed(range(self.n)):
+            if self.rebuilt[d] and isinstance(self.src[d], Shard):  # partial dims reduced above are final
+                target = self.dst[d]
+                # S -> P pads locally with the reduction's identity; with another partial dim (now or in
+                # the target) that identity would be reduced too (and overflow, for integers): gather.
+                partial_dims = sum(isinstance(p, Partial) for p in (*self.cur, *self.dst))
+                lone_partial = isinstance(target, Partial) and partial_dims == 1
+                if lone_partial or (isinstance(target, Shard) and target != self.cur[d] and self.safe_target(d, target)):
+                    self.move(d, target)
+                else:
+                    self.move(d, REPLICATE)
+
+    def shard_into_target(self) -> None:
+        """Pass 3, first mesh dim first: shard and partition into the target, finishing any reduction left."""
+        for d in range(self.n):
+            if self.cur[d] == self.dst[d]:
+                continue
+            if isinstance(self.cur[d], Partial) and isinstance(self.dst[d], Partial):
+                self.move(d, REPLICATE)
+            self.move(d, self.dst[d])
 
 
 def strided_route(

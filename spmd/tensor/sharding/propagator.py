@@ -65,7 +65,7 @@ class ShardingPropagator:
         *,
         fallback: bool,
     ) -> Decision:
-        """The complete decision for a call, given as flattened leaves (see call_layout.py).
+        """The complete decision for a call, given as flattened leaves (see call.py).
 
         ``fallback``: an op without a rule runs on replicated inputs, where that is safe, instead
         of raising. An in-place op whose rule cannot keep self's placement raises, as in torch:
@@ -188,10 +188,26 @@ class ShardingPropagator:
         placements = tuple(s.placements for s in call.input_specs)
         return Decision(placements, (), (), (), 0.0, entry.inplace, decomposition=expansion)
 
+    def cheapest_on(
+        self, call: OpCall, entry: OpEntry, candidates: list[OpStrategy], d: int
+    ) -> tuple[OpStrategy, float]:
+        """The candidate chosen on mesh dim ``d`` and what its moves cost there.
+
+        Of the candidates that move the fewest bytes, the one with the fewest collectives (one
+        all_reduce, not two reduce_scatters); ``min`` keeps the first of equals: the rule's order.
+        """
+        allowed = [(c, cost) for c, cost in self.score(call, candidates, d) if cost is not None]
+        if not allowed:
+            raise _no_strategy(call, entry, candidates, d)
+        least = min(cost or 0.0 for _, cost in allowed)
+        cheapest = [item for item in allowed if (item[1] or 0.0) <= least * (1 + 1e-9) + 1e-12]
+        best, best_cost = min(cheapest, key=lambda item: _collectives(call.input_specs, item[0], d))
+        return best, best_cost or 0.0
+
     def decide(self, call: OpCall, entry: OpEntry | None = None, *, plain_call: bool = False) -> Decision:
         """The cheapest candidate on every mesh dim, with the moves and output specs it implies.
 
-        ``plain_call``: the call was not flattened (see call_layout.py), so it may be ``simple``.
+        ``plain_call``: the call was not flattened (see spmd/tensor/sharding/call.py), so it may be ``simple``.
         """
         entry = entry or self.registry.entry(call.op)
         candidates = self.candidates(call)
@@ -200,28 +216,9 @@ class ShardingPropagator:
         chosen: list[OpStrategy] = []
         total = 0.0
         for d in range(mesh.ndim):
-            allowed = [(c, cost) for c, cost in self.score(call, candidates, d) if cost is not None]
-            if not allowed:
-                tried = "; ".join(str(c) for c in candidates) or "none"
-                if entry.inplace:
-                    # torch's wording, so code that catches torch's error catches this one
-                    raise ShardingError(
-                        f"{call.op}: in-place operations that require placement changes are not supported. "
-                        f"The input has placement {format_placements(specs[0].placements)} (inputs "
-                        f"{_describe_inputs(specs)}), but no strategy keeps it on mesh dim {d} (candidates: "
-                        f"{tried}). Use the out-of-place op (x = op(x, ...)) or redistribute self first."
-                    )
-                raise ShardingError(
-                    f"{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
-                    f"(candidates: {tried}); redistribute the inputs to a layout the op supports"
-                )
-            # Of the candidates that move the fewest bytes, the one with the fewest collectives (one
-            # all_reduce, not two reduce_scatters); min() keeps the first of equals: the rule's order.
-            least = min(cost or 0.0 for _, cost in allowed)
-            cheapest = [item for item in allowed if (item[1] or 0.0) <= least * (1 + 1e-9) + 1e-12]
-            best, best_cost = min(cheapest, key=lambda item: _collectives(specs, item[0], d))
+            best, best_cost = self.cheapest_on(call, entry, candidates, d)
             chosen.append(best)
-            total += best_cost or 0.0
+            total += best_cost
         input_placements = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
         outputs = tuple(
             None if meta is None else tuple(_output_placement(c, j, call) for c in chosen)
@@ -260,6 +257,24 @@ class ShardingPropagator:
             reshapes_self=entry.inplace and entry.inplace_view,
             simple=simple,
         )
+
+
+def _no_strategy(call: OpCall, entry: OpEntry, candidates: Sequence[OpStrategy], d: int) -> ShardingError:
+    """The error for a call no candidate can run on mesh dim ``d``."""
+    specs = call.input_specs
+    tried = "; ".join(str(c) for c in candidates) or "none"
+    if entry.inplace:
+        # torch's wording, so code that catches torch's error catches this one
+        return ShardingError(
+            f"{call.op}: in-place operations that require placement changes are not supported. "
+            f"The input has placement {format_placements(specs[0].placements)} (inputs "
+            f"{_describe_inputs(specs)}), but no strategy keeps it on mesh dim {d} (candidates: "
+            f"{tried}). Use the out-of-place op (x = op(x, ...)) or redistribute self first."
+        )
+    return ShardingError(
+        f"{call.op} cannot run on inputs {_describe_inputs(specs)}: no strategy on mesh dim {d} "
+        f"(candidates: {tried}); redistribute the inputs to a layout the op supports"
+    )
 
 
 def _collectives(specs: Sequence[DTensorSpec], candidate: OpStrategy, mesh_dim: int) -> int:
