@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import torch
 
 from spmd.comm import active_world, current_world, run_threaded
-from spmd.tensor.device_mesh.mesh import DeviceMesh, init_device_mesh
+from spmd.tensor.device_mesh.init import init_device_mesh
+from spmd.tensor.device_mesh.mesh import DeviceMesh
 
 __all__ = ["DTensorTestBase", "with_comms", "run_subtests", "NUM_DEVICES", "DEVICE_TYPE"]
 

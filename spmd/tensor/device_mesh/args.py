@@ -1,4 +1,5 @@
-"""Checks of what users pass to build or reshape a DeviceMesh, each error naming the fix."""
+"""Checks of what users pass to build or reshape a DeviceMesh, each error naming the fix, and the
+rank arithmetic on what passes (each rank's coordinate, each mesh dim's groups)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ranks_tensor", "unflatten_args"]
+__all__ = [
+    "check_caller_group",
+    "check_group_count",
+    "check_single_group_mesh",
+    "coordinates",
+    "dim_groups",
+    "dim_names",
+    "group_list_args",
+    "ranks_tensor",
+    "unflatten_args",
+]
 
 
 def ranks_tensor(mesh: torch.Tensor | Sequence[Any]) -> torch.Tensor:
@@ -28,6 +39,78 @@ def ranks_tensor(mesh: torch.Tensor | Sequence[Any]) -> torch.Tensor:
         )
     ranks = ranks.to(torch.int64)
     return ranks.reshape(1) if ranks.ndim == 0 else ranks
+
+
+def dim_names(mesh_dim_names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:
+    """``mesh_dim_names`` as a tuple naming each of the ``ndim`` mesh dims once (None: an unnamed mesh)."""
+    if mesh_dim_names is None:
+        return None
+    if isinstance(mesh_dim_names, str):
+        raise TypeError(
+            f"mesh_dim_names takes one name per mesh dim, got the string {mesh_dim_names!r}; "
+            f"pass a tuple such as ({mesh_dim_names!r},)"
+        )
+    names = tuple(mesh_dim_names)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"mesh_dim_names must be strings, got {names!r}")
+    if len(names) != ndim or len(set(names)) != ndim:
+        raise ValueError(f"mesh_dim_names {names} must name each of the {ndim} mesh dims once")
+    return names
+
+
+def coordinates(flat: Sequence[int], shape: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """rank -> its coordinate in a mesh of ``shape`` that lists the ranks ``flat`` row-major."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    return {rank: tuple((i // strides[d]) % shape[d] for d in range(len(shape))) for i, rank in enumerate(flat)}
+
+
+def dim_groups(ranks: torch.Tensor) -> list[dict[int, tuple[int, ...]]]:
+    """Per mesh dim ``d``: rank -> the ranks that share every coordinate but ``d`` with it.
+
+    One tuple per group, shared by its members: a 65,536-rank mesh must not copy it per rank.
+    """
+    per_dim: list[dict[int, tuple[int, ...]]] = []
+    for d in range(ranks.ndim):
+        groups = [tuple(row) for row in ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist()]
+        per_dim.append({r: group for group in groups for r in group})
+    return per_dim
+
+
+def check_single_group_mesh(mesh: torch.Tensor | Sequence[Any] | None, ranks: Sequence[int]) -> None:
+    """``from_group`` with one group: ``mesh``, if given, must list the group's ranks."""
+    if mesh is not None and ranks_tensor(mesh).flatten().tolist() != list(ranks):
+        raise ValueError(f"from_group got mesh {mesh!r} for a group of ranks {list(ranks)}; pass mesh=None")
+
+
+def group_list_args(
+    groups: Sequence[Any], mesh: torch.Tensor | Sequence[Any] | None, mesh_dim_names: Sequence[str] | None
+) -> tuple[torch.Tensor | Sequence[Any], Sequence[str]]:
+    """``from_group`` with a list of groups: at least one group, and ``mesh`` and ``mesh_dim_names``."""
+    if not groups:
+        raise ValueError("from_group needs at least one group")
+    if mesh is None or mesh_dim_names is None:
+        raise ValueError(
+            "from_group with a list of groups needs mesh= (the global ranks, one mesh dim per group) "
+            "and mesh_dim_names="
+        )
+    return mesh, mesh_dim_names
+
+
+def check_group_count(count: int, ranks: torch.Tensor) -> None:
+    """``from_group`` takes one group per dim of the mesh ``ranks``."""
+    if ranks.ndim != count:
+        raise ValueError(
+            f"from_group got {count} groups for a {ranks.ndim}-d mesh {ranks.tolist()}; pass one group per mesh dim"
+        )
+
+
+def check_caller_group(dim: int, name: str, group: Sequence[int], along: Sequence[int] | None, rank: int) -> None:
+    """``from_group``'s group ``dim`` must be the caller's ranks ``along`` that mesh dim (None: not in it)."""
+    if along is not None and group != along:
+        raise ValueError(
+            f"from_group's group {dim} holds ranks {list(group)}, but rank {rank}'s ranks along mesh dim "
+            f"{name!r} are {list(along)}; pass the caller's groups in mesh-dim order"
+        )
 
 
 def _holds_bool(mesh: object) -> bool:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,39 +14,25 @@ from spmd.comm import Communicator, World, current_world, handles
 from spmd.comm.threaded import thread_rank
 from spmd.compile.compiling import compiling_here
 from spmd.compile.properties import traceable_property
-from spmd.tensor.device_mesh.args import ranks_tensor, unflatten_args
-from spmd.tensor.device_mesh.check import check_ranks_agree
+from spmd.tensor.device_mesh.args import (
+    check_caller_group,
+    check_group_count,
+    check_single_group_mesh,
+    coordinates,
+    dim_groups,
+    dim_names,
+    group_list_args,
+    ranks_tensor,
+    unflatten_args,
+)
+from spmd.tensor.device_mesh.flattened import Flattened, MeshKey, flattened_dims, next_root_ordinal
 from spmd.tensor.device_mesh.layout import DimLayout, canonical, offsets, overlaps, root_layout, split, without_axes
 
-__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh"]
+__all__ = ["DeviceMesh", "current_mesh"]
 
 # The meshes entered with ``with mesh:``, innermost last. A context variable, so that each rank
 # thread of a threaded world has its own stack.
 _ENTERED_MESHES: ContextVar[tuple[DeviceMesh, ...]] = ContextVar("spmd_entered_meshes", default=())
-
-MeshKey = tuple[Any, ...]
-"""A mesh's value without its world: (device type, shape, ranks, dim names)."""
-
-# The dims each rank has flattened on each root mesh: world -> (rank, root's MeshKey, root's ordinal) ->
-# {name: (layout, names of the dims flattened)}. As torch's, flattened names belong to one root mesh:
-# two init_device_mesh calls over the same ranks flatten apart. A root is named by its value and by
-# how many roots its rank had made before it, not by the object, because equal meshes are
-# interchangeable (a decision cached by one rank thread may hand another rank a spec holding the first
-# rank's mesh object), and every rank makes its meshes in the same order; by rank, because rank
-# threads reach their own `_flatten` calls at different times.
-Flattened = dict[str, tuple[DimLayout, tuple[str, ...]]]
-_FLATTENED: weakref.WeakKeyDictionary[World, dict[tuple[int, MeshKey, int], Flattened]] = weakref.WeakKeyDictionary()
-_ROOTS_MADE: weakref.WeakKeyDictionary[World, dict[int, int]] = weakref.WeakKeyDictionary()
-"""world -> rank -> how many root meshes that rank has made (names the next root's ordinal)."""
-_FLATTENED_LOCK = threading.Lock()
-
-def _next_root_ordinal(world: World) -> int:
-    """The ordinal of the root mesh the calling rank is making: how many it made before."""
-    rank = world.current_rank()
-    with _FLATTENED_LOCK:
-        made = _ROOTS_MADE.setdefault(world, {})
-        ordinal = made[rank] = made.get(rank, -1) + 1
-    return ordinal
 
 
 def current_mesh() -> DeviceMesh:
@@ -89,32 +72,13 @@ class DeviceMesh:
         self._flat = tuple(int(r) for r in ranks.flatten().tolist())
         if len(set(self._flat)) != len(self._flat):
             raise ValueError(f"a DeviceMesh lists each rank once; got {ranks.tolist()}")
-        if mesh_dim_names is not None:
-            if isinstance(mesh_dim_names, str):
-                raise TypeError(
-                    f"mesh_dim_names takes one name per mesh dim, got the string {mesh_dim_names!r}; "
-                    f"pass a tuple such as ({mesh_dim_names!r},)"
-                )
-            mesh_dim_names = tuple(mesh_dim_names)
-            if not all(isinstance(name, str) for name in mesh_dim_names):
-                raise TypeError(f"mesh_dim_names must be strings, got {mesh_dim_names!r}")
-            if len(mesh_dim_names) != ranks.ndim or len(set(mesh_dim_names)) != ranks.ndim:
-                raise ValueError(f"mesh_dim_names {mesh_dim_names} must name each of the {ranks.ndim} mesh dims once")
-        self._mesh_dim_names: tuple[str, ...] | None = mesh_dim_names
+        self._mesh_dim_names = dim_names(mesh_dim_names, ranks.ndim)
         self._world = _world if _world is not None else current_world(device_type)
         if max(self._flat) >= self._world.size or min(self._flat) < 0:
             raise ValueError(f"mesh ranks {sorted(self._flat)} do not fit a world of {self._world.size} ranks")
-        strides = [math.prod(self._shape[d + 1 :]) for d in range(len(self._shape))]
-        self._coordinates = {
-            rank: tuple((i // strides[d]) % self._shape[d] for d in range(len(self._shape)))
-            for i, rank in enumerate(self._flat)
-        }
+        self._coordinates = coordinates(self._flat, self._shape)
         # _dim_groups[d][rank] is the tuple of ranks sharing every coordinate but d with rank.
-        self._dim_groups: list[dict[int, tuple[int, ...]]] = []
-        for d in range(ranks.ndim):
-            groups = [tuple(row) for row in ranks.movedim(d, -1).reshape(-1, self._shape[d]).tolist()]
-            # one tuple per group, shared by its members: a 65,536-rank mesh must not copy it per rank
-            self._dim_groups.append({r: group for group in groups for r in group})
+        self._dim_groups = dim_groups(ranks)
         if _create_groups:
             self._world.create_groups(self._groups())
         # Whether every rank that can call into this object is in the mesh, so that the dispatcher may
@@ -124,11 +88,11 @@ class DeviceMesh:
             self._world.backend_name == "c10d" and self._world.current_rank() in self._coordinates
         )
         # A mesh derived from another (``mesh["tp"]``, ``_flatten``, ``_unflatten``) remembers the root
-        # mesh it came from, and where each of its dims lies in the root's rank list (mesh_layout.py).
+        # mesh it came from, and where each of its dims lies in the root's rank list (layout.py).
         self._root = _root
         self._layout = _layout if _layout is not None else root_layout(self._shape)
         self._key: MeshKey = (device_type, self._shape, self._flat, self.mesh_dim_names)
-        self._ordinal: int = _next_root_ordinal(self._world) if _root is None else _root._ordinal
+        self._ordinal: int = next_root_ordinal(self._world) if _root is None else _root._ordinal
         # Meshes of different worlds (two run_threaded calls) are not interchangeable: their
         # communicators belong to different ranks.
         self._hash = hash((*self._key, id(self._world)))
@@ -153,34 +117,17 @@ class DeviceMesh:
         world = current_world(device_type)
         if not isinstance(group, (list, tuple)):
             ranks = world.adopt_group(group)
-            if mesh is not None and ranks_tensor(mesh).flatten().tolist() != list(ranks):
-                raise ValueError(f"from_group got mesh {mesh!r} for a group of ranks {list(ranks)}; pass mesh=None")
+            check_single_group_mesh(mesh, ranks)
             return DeviceMesh(
                 device_type, list(ranks), mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False
             )
         groups = list(group)
-        if not groups:
-            raise ValueError("from_group needs at least one group")
-        if mesh is None or mesh_dim_names is None:
-            raise ValueError(
-                "from_group with a list of groups needs mesh= (the global ranks, one mesh dim per group) "
-                "and mesh_dim_names="
-            )
+        mesh, mesh_dim_names = group_list_args(groups, mesh, mesh_dim_names)
         built = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
-        if built.ndim != len(groups):
-            raise ValueError(
-                f"from_group got {len(groups)} groups for a {built.ndim}-d mesh {built.mesh.tolist()}; "
-                "pass one group per mesh dim"
-            )
+        check_group_count(len(groups), built.mesh)
         me, names = world.current_rank(), built.mesh_dim_names or ()
         for d, one in enumerate(groups):
-            ranks = world.adopt_group(one)
-            along = built._dim_groups[d].get(me)
-            if along is not None and ranks != along:
-                raise ValueError(
-                    f"from_group's group {d} holds ranks {list(ranks)}, but rank {me}'s ranks along mesh dim "
-                    f"{names[d]!r} are {list(along)}; pass the caller's groups in mesh-dim order"
-                )
+            check_caller_group(d, names[d], world.adopt_group(one), built._dim_groups[d].get(me), me)
         return built
 
     # ----- shape -----------------------------------------------------------------------------------
@@ -441,19 +388,7 @@ class DeviceMesh:
 
     def _flattened_dims(self, *, create: bool = False) -> Flattened:
         """The dims the caller has flattened on this (root) mesh: name -> (layout, dims flattened)."""
-        key = (self._world.current_rank(), self._key, self._ordinal)
-        per_world = _FLATTENED.get(self._world)
-        if per_world is None:
-            if not create:
-                return {}
-            with _FLATTENED_LOCK:
-                per_world = _FLATTENED.setdefault(self._world, {})
-        registry = per_world.get(key)
-        if registry is None:
-            if not create:
-                return {}
-            registry = per_world.setdefault(key, {})
-        return registry
+        return flattened_dims(self._world, self._key, self._ordinal, create=create)
 
     def _groups_along(self, layout: DimLayout) -> list[tuple[int, ...]]:
         """Every group of this root mesh's ranks that differ only along ``layout``, in one order."""
@@ -526,39 +461,3 @@ class DeviceMesh:
     def __str__(self) -> str:
         names = self.mesh_dim_names or tuple(f"d{i}" for i in range(self.ndim))
         return "mesh(" + ", ".join(f"{n}={s}" for n, s in zip(names, self._shape)) + ")"
-
-
-def init_device_mesh(
-    device_type: str,
-    mesh_shape: Sequence[int],
-    *,
-    mesh_dim_names: Sequence[str] | None = None,
-    timeout: timedelta | float | None = None,
-) -> DeviceMesh:
-    """A mesh of ``mesh_shape`` over every rank of the current world, ranks in row-major order.
-
-    Under torchrun this uses the default c10d group (started on first use: gloo for cpu, nccl for
-    cuda); inside ``spmd.testing.run_threaded`` it uses the threaded world. ``timeout`` (a
-    timedelta or seconds) bounds every collective on the mesh's groups; by default they inherit
-    the default group's (``init_process_group(timeout=...)``) or the threaded world's.
-
-    Every rank must pass the same shape and names: the ranks compare them first (one small
-    exchange over the world) and all raise, naming the ranks that differ, if they do not.
-    """
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    # A plain string is refused by DeviceMesh with a hint, after the ranks have compared it.
-    names = mesh_dim_names if mesh_dim_names is None or isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
-    timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if timeout_s is not None and timeout_s <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}; pass seconds or a timedelta")
-    world = current_world(device_type, timeout_s=timeout_s)
-    check_ranks_agree(world, mesh_shape, names, timeout_s)
-    if math.prod(mesh_shape) != world.size:
-        raise ValueError(
-            f"mesh shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has {world.size}; "
-            "make the product of the mesh shape equal the world size"
-        )
-    ranks = torch.arange(world.size, device="cpu").reshape(mesh_shape)
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _world=world, _create_groups=False)
-    world.create_groups(mesh._groups(), timeout_s=timeout_s)
-    return mesh
