@@ -45,9 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd.testing import run_multiprocess
+from spmd.testing.models import Block
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_transformer import Block, Config, apply_tp_and_dp, batch_at, build_model
+from train_transformer import Config, apply_tp_and_dp, batch_at, build_model
 
 DP, TP = 2, 2
 WORLD = DP * TP

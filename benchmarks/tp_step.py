@@ -46,9 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from train_transformer import Block, Config, batch_at, build_model
+from train_transformer import Config, batch_at, build_model
 
 from spmd.testing import run_multiprocess
+from spmd.testing.models import Block
 
 TP = 2
 TIMEOUT_S = 120.0

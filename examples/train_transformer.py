@@ -7,7 +7,8 @@ trains on its own slice. Over ``dp`` parameters are either replicated (their gra
 ``Partial(sum)`` over dp and a gradient hook reduces them to the parameter's layout) or, with
 ``--fsdp``, fully sharded (ZeRO-3: ``fully_shard`` per block and on the root gathers them for
 forward and backward only and reduce-scatters the gradients). The loss is computed vocab-parallel
-(``loss_parallel``) on the tp-sharded logits.
+(``loss_parallel``) on the tp-sharded logits. The model and its plans are ``spmd/testing/models.py``'s,
+the same ones ``python -m spmd.simulate --model gpt`` simulates at any size.
 
     python examples/train_transformer.py                        # 4 ranks as threads of one process
     python examples/train_transformer.py --check                # also compare with one device
@@ -40,19 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd import checkpoint
-from spmd.fsdp import fully_shard
-from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from spmd.tensor_parallel import loss_parallel
 from spmd.testing import run_threaded
+from spmd.testing.models import GPT, apply_tp_and_dp
 
 try:
     from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
@@ -69,6 +62,8 @@ class Config:
     n_layers: int = 2
     n_heads: int = 4
     seq_len: int = 32
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype."""
     batch_size: int = 8
     """Global batch: each dp rank gets batch_size / dp sequences."""
     steps: int = 20
@@ -89,60 +84,7 @@ class Config:
     optimizer step, or None."""
 
 
-# ----- the model: plain torch, the same code runs on one device and on DTensors ------------------
-class Attention(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.q, self.k, self.v, self.out = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape  # the global shape, also for a DTensor
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, heads, S, head_dim]
-            return t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-
-        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
-        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = nn.RMSNorm(cfg.d_model), Attention(cfg)
-        self.mlp_norm, self.mlp = nn.RMSNorm(cfg.d_model), MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(tokens) + self.pos_emb
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
-
-
+# ----- the model (GPT) and its plans (tp_plan, apply_tp_and_dp) are spmd/testing/models.py's ----
 def build_model(cfg: Config) -> GPT:
     """The model with weights drawn from a generator of its own (rank threads share torch's global RNG)."""
     model = GPT(cfg)
@@ -170,72 +112,6 @@ def batch_at(cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(cfg.seq_len):
         tokens[:, i + 1] = successor[tokens[:, i]]
     return tokens[:, :-1], tokens[:, 1:]
-
-
-# ----- 2-d parallelism: tensor parallel over "tp", data parallel over "dp" -----------------------
-def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Megatron tensor parallelism for the GPT, as torchtitan writes it for Llama.
-
-    Column-wise q/k/v and MLP up shard the heads and the hidden features; row-wise attention out and
-    MLP down reduce their partial sums (all_reduce, or reduce_scatter to sequence shards with
-    ``sequence_parallel``, which then runs the norms on Shard(1) activations). The embedding is
-    row-wise (vocab rows split over tp) and the head column-wise, so the logits stay vocab-sharded
-    for ``loss_parallel``. On the (dp, tp) mesh the styles act on tp; the batch stays Shard(0) over dp.
-    """
-    activations: Placement = Shard(1) if sequence_parallel else Replicate()
-    gather_input = PrepareModuleInput(input_layouts=activations, desired_input_layouts=Replicate())
-    plan: dict[str, ParallelStyle] = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=activations),
-        "layers.*.attn": gather_input,
-        "layers.*.attn.q": ColwiseParallel(),
-        "layers.*.attn.k": ColwiseParallel(),
-        "layers.*.attn.v": ColwiseParallel(),
-        "layers.*.attn.out": RowwiseParallel(output_layouts=activations),
-        "layers.*.mlp": gather_input,
-        "layers.*.mlp.up": ColwiseParallel(),
-        "layers.*.mlp.down": RowwiseParallel(output_layouts=activations),
-        "lm_head": ColwiseParallel(input_layouts=activations),
-    }
-    if sequence_parallel:
-        plan.update({name: SequenceParallel() for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
-    return plan
-
-
-def replicate_over_dp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Plain data parallelism: every parameter whole on each dp rank, its gradient reduced over dp.
-
-    Parameters the tp plan left plain (position embedding, norms without sequence parallelism) become
-    replicated DTensors. A dp-sharded batch makes each gradient Partial(sum) over dp; a hook lays it
-    out like its parameter, so the reduction runs once, in backward, instead of once per optimizer
-    op that reads it (AdamW reads each gradient three times).
-    """
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if not isinstance(param, DTensor):
-                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim))
-                module.register_parameter(name, param)
-            placements = param.placements  # type: ignore[attr-defined]
-            param.register_hook(lambda grad, placements=placements: grad.redistribute(mesh, placements))  # type: ignore[no-untyped-call]
-    return model
-
-
-def apply_fsdp(model: GPT, mesh: DeviceMesh) -> GPT:
-    """ZeRO-3 over dp: each block, then the root (embeddings, final norm, head), as torchtitan does."""
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def apply_tp_and_dp(model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, fsdp: bool = False) -> GPT:
-    """Tensor parallelism over tp, then data parallelism over dp: replicated, or fully sharded with ``fsdp``."""
-    parallelize_module(model, mesh, tp_plan(sequence_parallel=sequence_parallel))
-    if fsdp:
-        return apply_fsdp(model, mesh)
-    replicate_over_dp(model, mesh)
-    return model
 
 
 # ----- training ----------------------------------------------------------------------------------

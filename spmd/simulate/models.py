@@ -1,10 +1,9 @@
 """The built-in models the simulator knows by name, and how a plan parallelises and trains them.
 
-``gpt`` is the decoder of ``examples/train_transformer.py`` at any size: token and position
-embeddings, pre-norm blocks (RMSNorm, causal attention with q/k/v/out projections, a 4x GELU MLP),
-a final norm and an untied head. A plan applies, as the demo does, Megatron tensor parallelism over
-``tp`` (optionally with sequence-parallel norms), then over ``dp`` either plain replication (the
-gradient reduced in backward) or ``fully_shard`` per block and on the root; AdamW steps on the shards.
+``gpt`` is ``spmd.testing.models.GPT``, the decoder of ``examples/train_transformer.py``, at any size.
+A plan applies the demo's own ``apply_tp_and_dp``: Megatron tensor parallelism over ``tp`` (optionally
+with sequence-parallel norms), then over ``dp`` either plain replication (the gradient reduced in
+backward) or ``fully_shard`` per block and on the root; AdamW steps on the shards.
 """
 
 from __future__ import annotations
@@ -16,18 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd.fsdp import fully_shard
 from spmd.simulate.plan import Plan
-from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
-from spmd.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from spmd.tensor_parallel import loss_parallel
+from spmd.testing.models import GPT, apply_tp_and_dp
 
 __all__ = ["GPTConfig", "GPT", "GPTWorkload", "MODELS", "model_workload"]
 
@@ -44,6 +35,27 @@ class GPTConfig:
     batch: int = 1
     """Sequences per data-parallel rank (the global batch is ``batch * dp``)."""
     dtype: torch.dtype = torch.float32
+
+    # The names spmd.testing.models.GPT reads its sizes by (the demo's Config's fields).
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    @property
+    def d_model(self) -> int:
+        return self.dim
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads
+
+    @property
+    def seq_len(self) -> int:
+        return self.seq
 
     def check(self, plan: Plan) -> None:
         """Raise ValueError naming the value if the sizes do not fit the model or the plan's styles."""
@@ -67,111 +79,6 @@ class GPTConfig:
             )
 
 
-class _Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.heads = cfg.heads
-        self.q, self.k, self.v, self.out = (nn.Linear(cfg.dim, cfg.dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape  # the global shape, for a DTensor too
-
-        def split_heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
-
-        y = F.scaled_dot_product_attention(
-            split_heads(self.q(x)), split_heads(self.k(x)), split_heads(self.v(x)), is_causal=True
-        )
-        return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
-
-
-class _MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.dim, 4 * cfg.dim, bias=False)
-        self.down = nn.Linear(4 * cfg.dim, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class _Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = nn.RMSNorm(cfg.dim), _Attention(cfg)
-        self.mlp_norm, self.mlp = nn.RMSNorm(cfg.dim), _MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class GPT(nn.Module):
-    """The decoder; built under ``torch.device("meta")`` it holds no data, whatever its size."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.dim, dtype=cfg.dtype)
-        self.pos_emb = nn.Parameter(torch.zeros(cfg.seq, cfg.dim, dtype=cfg.dtype))
-        self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        self.to(cfg.dtype)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(tokens) + self.pos_emb
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
-
-
-def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Megatron tensor parallelism: heads and MLP features split over tp, vocab-sharded logits."""
-    activations: Placement = Shard(1) if sequence_parallel else Replicate()
-    gather_input = PrepareModuleInput(input_layouts=activations, desired_input_layouts=Replicate())
-    plan: dict[str, ParallelStyle] = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=activations),
-        "layers.*.attn": gather_input,
-        "layers.*.attn.q": ColwiseParallel(),
-        "layers.*.attn.k": ColwiseParallel(),
-        "layers.*.attn.v": ColwiseParallel(),
-        "layers.*.attn.out": RowwiseParallel(output_layouts=activations),
-        "layers.*.mlp": gather_input,
-        "layers.*.mlp.up": ColwiseParallel(),
-        "layers.*.mlp.down": RowwiseParallel(output_layouts=activations),
-        "lm_head": ColwiseParallel(input_layouts=activations),
-    }
-    if sequence_parallel:
-        plan.update({name: SequenceParallel() for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
-    return plan
-
-
-def replicate_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Plain data parallelism: every parameter a DTensor, its gradient laid out like it in backward."""
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if not isinstance(param, DTensor):
-                param = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim))
-                module.register_parameter(name, param)
-            placements = param.placements  # type: ignore[attr-defined]
-            param.register_hook(lambda grad, placements=placements: grad.redistribute(mesh, placements))  # type: ignore[no-untyped-call]
-
-
-def parallelize_gpt(model: GPT, mesh: DeviceMesh, plan: Plan) -> GPT:
-    """Tensor parallelism over tp (if the plan has it), then replicated or fully sharded over dp."""
-    if plan.size("tp") > 1:
-        parallelize_module(model, mesh, tp_plan(sequence_parallel=plan.sequence_parallel))
-    if plan.fsdp:
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        replicate_parameters(model, mesh)
-    return model
-
-
 @dataclass(frozen=True)
 class GPTWorkload:
     """One training step of the built-in GPT under a plan: what ``spmd.simulate.simulate`` runs."""
@@ -180,7 +87,14 @@ class GPTWorkload:
     plan: Plan
 
     def build(self, mesh: DeviceMesh) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = parallelize_gpt(GPT(self.cfg), mesh, self.plan)
+        plan = self.plan
+        model = apply_tp_and_dp(
+            GPT(self.cfg),
+            mesh,
+            tensor_parallel=plan.size("tp") > 1,
+            sequence_parallel=plan.sequence_parallel,
+            fsdp=plan.fsdp,
+        )
         # foreach=False: torch's default on CPU, so the step is the same per-parameter program everywhere
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 

@@ -20,13 +20,11 @@ from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor_parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 from spmd.testing import run_threaded, seeded_randn
+from spmd.testing.models import tp_plan
 from spmd.testing.multiprocess import run_multiprocess
 
 VOCAB, DIM, LAYERS, BATCH, SEQ = 32, 16, 2, 8, 6
@@ -99,21 +97,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen)
 
 
-TP_PLAN = {
-    "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-    "layers.*.attn_norm": SequenceParallel(),
-    "layers.*.attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-    "layers.*.attn.q": ColwiseParallel(),
-    "layers.*.attn.k": ColwiseParallel(),
-    "layers.*.attn.v": ColwiseParallel(),
-    "layers.*.attn.out": RowwiseParallel(output_layouts=Shard(1)),
-    "layers.*.mlp_norm": SequenceParallel(),
-    "layers.*.mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-    "layers.*.mlp.up": ColwiseParallel(),
-    "layers.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
-    "norm": SequenceParallel(),
-    "lm_head": ColwiseParallel(input_layouts=Shard(1)),
-}
+TP_PLAN = tp_plan(sequence_parallel=True)  # the demo GPT's plan; TinyGPT's modules have the same names
 
 
 def shard_model(model: TinyGPT, mesh: DeviceMesh, **options: bool) -> TinyGPT:
