@@ -1,6 +1,7 @@
 """spmd offers torch.distributed.tensor's public API under the same names, parameters and defaults.
 
-For every public name of the torch modules below, the spmd counterpart must exist; functions and
+For every public name of torch's public DTensor modules (``PUBLIC_API_MODULES`` of
+``spmd/compat/module_map.py``), the spmd counterpart must exist; functions and
 methods must take the same parameters (names, kinds, defaults; keyword-only ones in any order;
 torch's and our private ``_``-parameters are not compared); classes are compared by ``__init__``
 and by each public member they define. Every difference is listed in ``DIFFERENCES`` with its
@@ -15,15 +16,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-# torch's module -> ours (DESIGN.md: spmd.tensor_parallel is torch.distributed.tensor.parallel).
-MODULE_PAIRS = {
-    "torch.distributed.tensor": "spmd.tensor",
-    "torch.distributed.tensor.placement_types": "spmd.tensor.placement",
-    "torch.distributed.tensor.parallel": "spmd.tensor_parallel",
-    "torch.distributed.tensor.debug": "spmd.tensor.debug",
-    "torch.distributed.device_mesh": "spmd.tensor.device_mesh",
-    "torch.distributed.tensor.experimental": "spmd.tensor.experimental",
-}
+from spmd.compat.module_map import MODULES, PUBLIC_API_MODULES
+
+# torch's module -> ours, from the one torch <-> spmd module map (DESIGN.md: spmd.tensor_parallel is
+# torch.distributed.tensor.parallel).
+MODULE_PAIRS = {torch_path: MODULES[torch_path] for torch_path in PUBLIC_API_MODULES}
 
 DIFFERENCES: dict[str, str] = {
     # parallel styles: frozen configs applied by apply(module, mesh, src_data_rank=, tp_mesh_dim=)

@@ -1,4 +1,4 @@
-"""The one map from torch's DTensor module names to spmd's, read by the import redirect.
+"""The one map from torch's DTensor module names to spmd's, read by the import redirect and the API parity test.
 
 Three kinds of torch module appear here:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
-__all__ = ["MODULES", "NAMES", "SPMD_ROOTS", "TORCH_FALLBACK", "ModuleKind", "classify"]
+__all__ = ["MODULES", "PUBLIC_API_MODULES", "NAMES", "SPMD_ROOTS", "TORCH_FALLBACK", "ModuleKind", "classify"]
 
 MODULES: dict[str, str] = {
     "torch.distributed.tensor": "spmd.tensor",
@@ -51,6 +51,17 @@ MODULES: dict[str, str] = {
     "torch.distributed._composable.fsdp.fully_shard": "spmd.fsdp",
 }
 """torch module -> the spmd module every one of its names comes from."""
+
+PUBLIC_API_MODULES = (
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.placement_types",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.tensor.debug",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor.experimental",
+)
+"""Keys of ``MODULES`` that are torch's public DTensor API: spmd's module offers every public name with
+the same parameters and defaults, or a listed reason (``tests/test_api_parity.py`` compares them)."""
 
 _FSDP2 = dict.fromkeys(
     (

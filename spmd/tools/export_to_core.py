@@ -1,7 +1,7 @@
 """Mirror this repository into a PyTorch checkout's layout, rewriting imports; rsync-like.
 
-The path map lives in ``core_paths.json`` next to this file: old module -> new module, where
-``{root}`` stands for the destination's root package (``torch`` unless ``--root`` says otherwise).
+The path map (a file layout, not ``spmd/compat/module_map.py``'s import map) lives in ``core_paths.json``
+next to this file: old module -> new module, where ``{root}`` stands for the destination's root package.
 File paths follow module names (``spmd/tensor/x.py`` is module ``spmd.tensor.x``); the longest
 mapped prefix wins, so ``spmd.testing.common_dtensor`` can move apart from the rest of ``spmd.testing``.
 
