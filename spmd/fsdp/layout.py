@@ -106,21 +106,13 @@ class ShardedParameter:
 
 def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
     """The index of the data-parallel mesh dim: the only one of a 1-d mesh, else the one named "dp"."""
-    if dp_mesh_dim is None:
-        if mesh.ndim == 1:
-            return 0
-        names = mesh.mesh_dim_names
-        if names is None or DP_MESH_DIM_NAME not in names:
-            raise ValueError(
-                f"fully_shard on the {mesh.ndim}-d {mesh} needs to know its data-parallel dim: name it "
-                f'"{DP_MESH_DIM_NAME}" (init_device_mesh(..., mesh_dim_names=("dp", "tp"))) or pass dp_mesh_dim= '
-                '(for HSDP name both dims of a 2-d mesh, none of them "dp": replicate first, then shard)'
-            )
-        return names.index(DP_MESH_DIM_NAME)
-    try:
-        return mesh.dim_index(dp_mesh_dim)
-    except (KeyError, IndexError) as error:
-        raise ValueError(f"dp_mesh_dim={dp_mesh_dim!r} is not a dim of {mesh}: {error}") from None
+    return mesh.dim_for(
+        dp_mesh_dim,
+        default_name=DP_MESH_DIM_NAME,
+        purpose="fully_shard",
+        argument="dp_mesh_dim",
+        hint=' (for HSDP name both dims of a 2-d mesh, none of them "dp": replicate first, then shard)',
+    )
 
 
 def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, dp_size: int) -> int | None:

@@ -39,25 +39,13 @@ TP_MESH_DIM_NAME = "tp"
 
 def resolve_tp_mesh_dim(mesh: DeviceMesh, tp_mesh_dim: int | str | None) -> int:
     """The index of the tensor-parallel mesh dim: the only one of a 1-d mesh, else the one named "tp"."""
-    if tp_mesh_dim is None:
-        if mesh.ndim == 1:
-            return 0
-        names = mesh.mesh_dim_names
-        if names is None or TP_MESH_DIM_NAME not in names:
-            hint = (
-                f"its dims are named {names}; pass tp_mesh_dim=<name or index>"
-                if names
-                else 'name the mesh dims (init_device_mesh(..., mesh_dim_names=("dp", "tp"))) or pass tp_mesh_dim='
-            )
-            raise ValueError(
-                f"tensor parallelism on the {mesh.ndim}-d {mesh} needs to know its tp dim: {hint}, "
-                'or pass the 1-d sub-mesh mesh["tp"]'
-            )
-        return names.index(TP_MESH_DIM_NAME)
-    try:
-        return mesh.dim_index(tp_mesh_dim)
-    except (KeyError, IndexError) as error:
-        raise ValueError(f"tp_mesh_dim={tp_mesh_dim!r} is not a dim of {mesh}: {error}") from None
+    return mesh.dim_for(
+        tp_mesh_dim,
+        default_name=TP_MESH_DIM_NAME,
+        purpose="tensor parallelism",
+        argument="tp_mesh_dim",
+        hint=', or pass the 1-d sub-mesh mesh["tp"]',
+    )
 
 
 def resolve_use_local(use_local: bool | None, mesh: DeviceMesh) -> bool:

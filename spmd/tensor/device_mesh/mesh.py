@@ -173,6 +173,35 @@ class DeviceMesh:
             raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh")
         return mesh_dim % self.ndim
 
+    def dim_for(
+        self, mesh_dim: int | str | None, *, default_name: str, purpose: str, argument: str, hint: str = ""
+    ) -> int:
+        """The index of the mesh dim a parallelism runs over: ``mesh_dim`` (an index or a name) when
+        given, else the only dim of a 1-d mesh, else the dim named ``default_name``.
+
+        The errors name ``purpose`` (who asks, e.g. ``"fully_shard"``) and ``argument`` (the keyword
+        that passes ``mesh_dim``), and end with ``hint``, the caller's own way out.
+
+        >>> mesh.dim_for(None, default_name="tp", purpose="tensor parallelism", argument="tp_mesh_dim")  # doctest: +SKIP
+        """
+        if mesh_dim is not None:
+            try:
+                return self.dim_index(mesh_dim)
+            except (KeyError, IndexError) as error:
+                raise ValueError(f"{argument}={mesh_dim!r} is not a dim of {self}: {error}") from None
+        if self.ndim == 1:
+            return 0
+        names = self.mesh_dim_names
+        if names is not None and default_name in names:
+            return names.index(default_name)
+        fix = (
+            f"its dims are named {names}; pass {argument}=<name or index> or name one of them {default_name!r}"
+            if names
+            else f'name the mesh dims, one of them "{default_name}" (init_device_mesh(..., '
+            f'mesh_dim_names=("dp", "tp"))), or pass {argument}=<index>'
+        )
+        raise ValueError(f"{purpose} on the {self.ndim}-d {self} needs to know its {default_name!r} dim: {fix}{hint}")
+
     # ----- ranks -----------------------------------------------------------------------------------
     def get_rank(self) -> int:
         """The caller's global rank."""
