@@ -55,18 +55,7 @@ def distribute_tensor(
     """
     device_mesh = device_mesh if device_mesh is not None else current_mesh()
     if isinstance(tensor, DTensor):
-        if tensor.device_mesh != device_mesh:
-            raise ValueError(
-                f"distribute_tensor got a DTensor on {tensor.device_mesh!r}; it cannot move it to a different "
-                f"device mesh ({device_mesh!r}): redistribute on its own mesh, or build it on the other one"
-            )
-        wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
-        if tensor.placements != wanted:
-            raise ValueError(
-                f"distribute_tensor got a DTensor laid out as {tensor._spec}; it does not change it to a different "
-                f"placements {list(wanted)}: use .redistribute(placements=...) for that"
-            )
-        return tensor
+        return _already_distributed(tensor, device_mesh, placements)
     if not tensor.is_leaf:
         raise RuntimeError(
             "distribute_tensor can only distribute leaf tensors (the result is a new leaf, so gradients would "
@@ -80,31 +69,59 @@ def distribute_tensor(
     if device_mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing and sends nothing
         meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
         return DTensor(local.new_empty(0), DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
-    coordinate = device_mesh._require_coordinate()
     # A meta tensor has no data to send: each rank cuts its piece's shape out locally.
     source = None if src_data_rank is None or local.is_meta else _source_coordinate(device_mesh, src_data_rank)
-    for d, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            if source is None:
-                local = p._select_split_tensor(local, device_mesh.size(d), coordinate[d])
-            else:
-                pieces, _ = p._split_tensor(local, device_mesh.size(d), with_padding=False, contiguous=False)
-                local = scatter_pieces_from(device_mesh, d, pieces, p.dim, src=source[d])
-            continue
-        if isinstance(p, Shard):
-            if source is None:
-                local = local_chunk(local, device_mesh.size(d), coordinate[d], p.dim)
-            else:
-                local = scatter_from(device_mesh, d, local, p.dim, src=source[d])
-            continue
-        if source is not None:
-            local = broadcast_from(device_mesh, d, local, src=source[d])
-        if isinstance(p, Partial):
-            local = partition_value(local, p.reduce_op, coordinate[d])
+    local = _local_piece(local, device_mesh, placements, source)
     if local is tensor:
         local = local.clone()
     meta = TensorMeta(tuple(tensor.shape), contiguous_strides(tensor.shape), tensor.dtype)
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
+
+
+def _already_distributed(tensor: DTensor, device_mesh: DeviceMesh, placements: PlacementList | None) -> DTensor:
+    """``tensor`` itself when it already has the mesh and placements asked for; else a ValueError."""
+    if tensor.device_mesh != device_mesh:
+        raise ValueError(
+            f"distribute_tensor got a DTensor on {tensor.device_mesh!r}; it cannot move it to a different "
+            f"device mesh ({device_mesh!r}): redistribute on its own mesh, or build it on the other one"
+        )
+    wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
+    if tensor.placements != wanted:
+        raise ValueError(
+            f"distribute_tensor got a DTensor laid out as {tensor._spec}; it does not change it to a different "
+            f"placements {list(wanted)}: use .redistribute(placements=...) for that"
+        )
+    return tensor
+
+
+def _local_piece(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], source: tuple[int, ...] | None
+) -> torch.Tensor:
+    """This rank's piece of the whole tensor ``local``, mesh dim by mesh dim.
+
+    From the rank at mesh coordinate ``source`` (scattered or broadcast), or, with ``source=None``,
+    cut out of this rank's own copy without sending anything.
+    """
+    coordinate = mesh._require_coordinate()
+    for d, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            if source is None:
+                local = p._select_split_tensor(local, mesh.size(d), coordinate[d])
+            else:
+                pieces, _ = p._split_tensor(local, mesh.size(d), with_padding=False, contiguous=False)
+                local = scatter_pieces_from(mesh, d, pieces, p.dim, src=source[d])
+            continue
+        if isinstance(p, Shard):
+            if source is None:
+                local = local_chunk(local, mesh.size(d), coordinate[d], p.dim)
+            else:
+                local = scatter_from(mesh, d, local, p.dim, src=source[d])
+            continue
+        if source is not None:
+            local = broadcast_from(mesh, d, local, src=source[d])
+        if isinstance(p, Partial):
+            local = partition_value(local, p.reduce_op, coordinate[d])
+    return local
 
 
 def _source_coordinate(mesh: DeviceMesh, src_data_rank: int) -> tuple[int, ...]:

@@ -420,27 +420,37 @@ def prepare_sample(
     grad_weights: dict[int, torch.Tensor] = {}
     expected_grads: list[torch.Tensor | None] = [None] * len(positions)
     if check_backward:
-        try:
-            inputs, outs = forward(grad=True)
-            generator = torch.Generator().manual_seed(seed)
-            loss: torch.Tensor | None = None
-            for j, o in enumerate(outs):
-                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point():
-                    w = torch.randn(o.shape, generator=generator, dtype=o.dtype)
-                    grad_weights[j] = w
-                    term = (o * w).sum()
-                    loss = term if loss is None else loss + term
-            if loss is not None:
-                loss.backward()  # type: ignore[no-untyped-call]
-                expected_grads = [_grad_copy(inputs[i]) for i in positions]
-        except Exception:
-            grad_weights, expected_grads = {}, [None] * len(positions)
+        grad_weights, expected_grads = _expected_grads(forward, positions, seed)
     shapes = [tuple(leaves[i].shape) for i in positions]
     description = " ".join(f"{list(s)}" for s in shapes)
     return PreparedSample(
         description, leaves, spec, positions, expected, grad_weights, expected_grads,
         layouts_for(shapes, max_layouts=max_layouts),
     )
+
+
+def _expected_grads(
+    forward: Callable[[bool], tuple[list[Any], list[Any]]], positions: list[int], seed: int
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor | None]]:
+    """Plain torch's backward of sum(output_j * w_j) over the float outputs: the random weights w_j by
+    output index, and the gradient of each tensor input (all None when backward raises or has no loss)."""
+    grad_weights: dict[int, torch.Tensor] = {}
+    try:
+        inputs, outs = forward(True)
+        generator = torch.Generator().manual_seed(seed)
+        loss: torch.Tensor | None = None
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point():
+                w = torch.randn(o.shape, generator=generator, dtype=o.dtype)
+                grad_weights[j] = w
+                term = (o * w).sum()
+                loss = term if loss is None else loss + term
+        if loss is not None:
+            loss.backward()  # type: ignore[no-untyped-call]
+            return grad_weights, [_grad_copy(inputs[i]) for i in positions]
+    except Exception:
+        return {}, [None] * len(positions)
+    return grad_weights, [None] * len(positions)
 
 
 def prepare_ops(

@@ -79,18 +79,27 @@ def check_against_torch(
 
     if backward and any(differentiable):
         _backward_both(actual_outputs, expected_outputs)
-        for index, (dist_input, ref) in enumerate(zip(distributed, plain)):
-            if not differentiable[index]:
-                continue
-            if (dist_input.grad is None) != (ref.grad is None):
-                raise AssertionError(
-                    f"{where}: input {index} got a gradient only {'in plain torch' if dist_input.grad is None else 'as a DTensor'}"
-                )
-            if ref.grad is not None:
-                _assert_close(
-                    _full(dist_input.grad), ref.grad, f"{where}: gradient of input {index} differs", tolerances
-                )
+        _assert_same_input_grads(distributed, plain, differentiable, where, tolerances)
     return actual
+
+
+def _assert_same_input_grads(
+    distributed: Sequence[Any],
+    plain: Sequence[Any],
+    differentiable: Sequence[bool],
+    where: str,
+    tolerances: dict[str, Any],
+) -> None:
+    """After backward: each differentiable input has a gradient on both sides or neither, and they match."""
+    for index, (dist_input, ref) in enumerate(zip(distributed, plain)):
+        if not differentiable[index]:
+            continue
+        if (dist_input.grad is None) != (ref.grad is None):
+            raise AssertionError(
+                f"{where}: input {index} got a gradient only {'in plain torch' if dist_input.grad is None else 'as a DTensor'}"
+            )
+        if ref.grad is not None:
+            _assert_close(_full(dist_input.grad), ref.grad, f"{where}: gradient of input {index} differs", tolerances)
 
 
 def _prepare(

@@ -75,34 +75,40 @@ def local_map(
         leaves, layout = pytree.tree_flatten(args)
         _check_count("in_placements", in_placements, len(leaves), "flattened positional argument")
         _check_count("in_grad_placements", in_grad_placements, len(leaves), "flattened positional argument")
-        mesh = device_mesh
-        saw_dtensor = False
-        local_leaves: list[Any] = []
-        for index, leaf in enumerate(leaves):
-            if not isinstance(leaf, DTensor):
-                if in_placements is not None and in_placements[index] is not None and not isinstance(leaf, torch.Tensor):
-                    raise AssertionError(
-                        f"local_map: argument {index} is a {type(leaf).__name__}, not a tensor, so its "
-                        f"in_placements entry must be None, got {_show(in_placements[index])}"
-                    )
-                local_leaves.append(leaf)
-                continue
-            saw_dtensor = True
-            if mesh is None:
-                mesh = leaf.device_mesh
-            if in_placements is not None:
-                leaf = _laid_out_as(leaf, index, in_placements[index], redistribute_inputs)
-            grad_placements = None
-            if in_grad_placements is not None:
-                grad_placements = _placements_of(leaf, index, in_grad_placements[index], "in_grad_placements")
-            local_leaves.append(leaf.to_local(grad_placements=grad_placements))
+        local_leaves, first_mesh = _to_local_leaves(leaves, in_placements, in_grad_placements, redistribute_inputs)
         result = func(*pytree.tree_unflatten(local_leaves, layout), **kwargs)
-        if not saw_dtensor:  # a plain-tensor call: func ran as it would without local_map
+        if first_mesh is None:  # no DTensor argument: func ran as it would without local_map
             return result
-        assert mesh is not None
-        return _wrap_outputs(result, out_placements, mesh)
+        return _wrap_outputs(result, out_placements, device_mesh if device_mesh is not None else first_mesh)
 
     return run_on_shards
+
+
+def _to_local_leaves(
+    leaves: Sequence[Any], in_placements: PerArgument, in_grad_placements: PerArgument, redistribute: bool
+) -> tuple[list[Any], DeviceMesh | None]:
+    """The flattened arguments as ``func`` sees them (each DTensor checked, then its local shard) and
+    the first DTensor's mesh (None when no argument is a DTensor)."""
+    first_mesh: DeviceMesh | None = None
+    local_leaves: list[Any] = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, DTensor):
+            if in_placements is not None and in_placements[index] is not None and not isinstance(leaf, torch.Tensor):
+                raise AssertionError(
+                    f"local_map: argument {index} is a {type(leaf).__name__}, not a tensor, so its "
+                    f"in_placements entry must be None, got {_show(in_placements[index])}"
+                )
+            local_leaves.append(leaf)
+            continue
+        if first_mesh is None:
+            first_mesh = leaf.device_mesh
+        if in_placements is not None:
+            leaf = _laid_out_as(leaf, index, in_placements[index], redistribute)
+        grad_placements = None
+        if in_grad_placements is not None:
+            grad_placements = _placements_of(leaf, index, in_grad_placements[index], "in_grad_placements")
+        local_leaves.append(leaf.to_local(grad_placements=grad_placements))
+    return local_leaves, first_mesh
 
 
 def _check_count(name: str, entries: PerArgument, expected: int, what: str) -> None:
