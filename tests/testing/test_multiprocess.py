@@ -20,6 +20,9 @@ def rank_and_sum_of_ranks() -> tuple[int, float]:
 
 
 def every_rank_fails() -> None:
+    # Past the barrier every rank has joined the group: none fails in gloo's connect because a peer
+    # raised and tore down first.
+    dist.barrier()
     raise ValueError(f"rank {dist.get_rank()} fails on purpose")
 
 

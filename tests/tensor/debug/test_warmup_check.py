@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -262,9 +263,11 @@ def test_a_new_branch_after_the_warmup_raises_on_every_gloo_process_within_secon
     assert time.monotonic() - start < 30
     report = str(info.value)
     # rank 1 checked its new collective through the store and saw rank 0 waiting in its old one unchecked;
-    # rank 0 raised the same error when rank 1's process went away
-    assert report.count("CollectiveMismatchError: rank") == 2, report
-    assert "ranks [0]: reduce_scatter(sum) on mesh dim 'tp' f32[2,2,4]" in report
-    assert "(not checked: this rank had issued it before)" in report
-    assert "ranks [1]: reduce_scatter(sum) on mesh dim 'tp' f32[2,4,2]" in report
-    assert "test_warmup_check.py:" in report and "in new_branch_after_the_warmup" in report
+    # rank 0 raised the same error when rank 1's process went away. Rank 1 fails first, so the report
+    # holds its error; rank 0's only if it came within the run's grace period, not always so under load.
+    messages = dict(re.findall(r"CollectiveMismatchError: rank (\d+): ([^\n]*(?:\n  [^\n]*)*)", report))
+    assert "1" in messages and set(messages.values()) == {messages["1"]}, report
+    assert "ranks [0]: reduce_scatter(sum) on mesh dim 'tp' f32[2,2,4]" in messages["1"]
+    assert "(not checked: this rank had issued it before)" in messages["1"]
+    assert "ranks [1]: reduce_scatter(sum) on mesh dim 'tp' f32[2,4,2]" in messages["1"]
+    assert "test_warmup_check.py:" in messages["1"] and "in new_branch_after_the_warmup" in messages["1"]
