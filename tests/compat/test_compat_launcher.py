@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from spmd.run import Launch, parse_args
+from spmd.testing import run_torchrun
 
 # A package's entry point, written against torch: it reports what it sees.
 REPORT = """
@@ -90,8 +91,8 @@ def test_script_target_runs_as_written_and_its_imports_of_the_package_are_redire
 @pytest.mark.multiprocess
 def test_torchrun_runs_the_package_on_spmd_over_gloo(third_party, tmp_path: Path) -> None:
     pkg = third_party({"__init__.py": "", "main.py": SHARDED_MATMUL}, redirect=False)
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = run(tmp_path, *torchrun, "-m", "spmd.run", "--redirect", pkg, "-m", f"{pkg}.main", timeout=240)
+    launch = ["--redirect", pkg, "-m", f"{pkg}.main"]
+    result = run_torchrun("spmd.run", 2, module=True, args=launch, timeout=240, env={"PYTHONPATH": str(tmp_path)})
     per_rank = sorted(reports(result), key=lambda report: report["rank"])
     assert per_rank == [
         {"rank": rank, "dtensor": "spmd.tensor.dtensor", "equal": True, "local_rows": 4} for rank in (0, 1)

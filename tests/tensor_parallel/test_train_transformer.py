@@ -6,10 +6,7 @@ optimizer; the multi-process one runs the demo's command line under torchrun on 
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +14,9 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import load_script, run_threaded
+from spmd.testing import load_script, run_threaded, run_torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
-TORCHRUN_TIMEOUT_S = 120
 
 
 demo = load_script(EXAMPLE)
@@ -111,21 +107,8 @@ def test_parameters_and_gradients_follow_the_2d_layout() -> None:
     assert counts == {"all_reduce": 1 + 2 * cfg.n_layers}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command = [
-        *launcher, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(EXAMPLE), *args,
-    ]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env)
+    result = run_torchrun(EXAMPLE, nproc, args=args)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     return result
 
