@@ -55,6 +55,8 @@ class HookBoard:
 
 
 HOOKS = HookBoard()
+"""Late by design: the calls listed above go up the import stack, so their callees cannot be imported;
+``install`` (spmd/tensor/__init__.py) and explicit mode fill them, each in one place."""
 
 
 def install(*, dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], collective_check: CollectiveCheck) -> None:
