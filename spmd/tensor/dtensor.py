@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -248,8 +247,7 @@ class DTensor(torch.Tensor):
                 'build one with init_device_mesh("cpu", (world_size,))'
             )
         if compiling_here():  # Dynamo records one opaque call (see spmd/compile/from_local.py)
-            _keep_dynamo_out_of_dispatch()
-            return _from_local_in_graph()(
+            return HOOKS.from_local_in_graph(
                 local_tensor, device_mesh, placements, run_check, shape, stride,
                 rank=thread_rank(), grad_placements=grad_placements,
             )
@@ -462,14 +460,6 @@ def plain_tensors_allowed() -> bool:
     """Whether a plain tensor among DTensors may be read as replicated: inside ``implicit_replication()``,
     or inside backward, where autograd's own formulas make them alike on every rank."""
     return _implicit.enabled or torch._C._current_graph_task_id() != -1
-
-
-@functools.cache
-def _from_local_in_graph() -> Callable[..., DTensor]:
-    """``from_local_eager`` as one opaque call in Dynamo's graph; made on the first compile (it loads Dynamo)."""
-    from spmd.compile.from_local import nonstrict_from_local
-
-    return nonstrict_from_local(from_local_eager)
 
 
 def wrap_result(
