@@ -1,7 +1,7 @@
 """spmd.tensor: distributed tensors over an n-d device mesh (the ``torch.distributed.tensor`` API)."""
 
-from spmd import hooks
-from spmd.compile import lazy
+from spmd.compile.lazy import from_local_in_graph
+from spmd.hooks import install as install_hooks
 from spmd.tensor import (
     debug,  # noqa: F401  (applies SPMD_DEBUG / SPMD_DEBUG_RANKS from the environment)
     ops,  # noqa: F401  (registers every sharding rule)
@@ -15,7 +15,7 @@ from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 
 # The one place late-bound hooks are filled (spmd/hooks.py says which and why).
-hooks.install(dispatch=DISPATCHER.dispatch, collective_check=COLLECTIVE_CHECK, from_local_in_graph=lazy.from_local_in_graph)
+install_hooks(dispatch=DISPATCHER.dispatch, collective_check=COLLECTIVE_CHECK, from_local_in_graph=from_local_in_graph)
 
 __all__ = [
     "DTensor",
