@@ -11,7 +11,7 @@ Modules, one job each::
   policy.py  MixedPrecisionPolicy, OffloadPolicy, DataParallelMeshDims: the options, as torch spells them
   layout.py  which tensor dim dp shards, and turning parameters into sharded DTensors
   flat.py    one all_gather (and, in backward, one reduce_scatter) for all of a group's shards
-  state.py   gather before forward/backward, free after forward, shadow the shards meanwhile
+  state.py   gather before forward/backward, free after forward, shadow the shards meanwhile; TrainingState
   module.py  FSDPModule: the class a sharded module becomes, and its methods
   api.py     fully_shard: which parameters a module owns, and the hooks
 """

@@ -75,38 +75,18 @@ def fully_shard(
             f"{len(args)} positional argument(s) after it: pass the mesh as fully_shard(module, mesh=mesh)"
         )
     modules = _as_module_list(module)
-    mesh = _default_mesh() if mesh is None else mesh
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}")
-    hsdp = dp_mesh_dims is None and dp_mesh_dim is None and _is_hsdp_mesh(mesh)
-    dp = 1 if hsdp else resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
+    mesh, dp, hsdp = _resolve_mesh(mesh, dp_mesh_dims, dp_mesh_dim)
     _check_policies(reshard_after_forward, mp_policy, offload_policy, mesh)
-    for m in modules:
-        if fully_shard_state(m) is not None:
-            raise RuntimeError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
-    ignored = {id(p) for p in ignored_params or ()}
-    originals = {
-        (id(m), name): (m, name, p) for root in modules for m in root.modules() for name, p in m._parameters.items()
-    }
-    try:
-        params = _shard_owned_parameters(modules, mesh, dp, ignored, shard_placement_fn, hsdp)
-    except Exception:
-        for m, name, param in originals.values():  # bad input leaves the module as it was
-            m._parameters[name] = param
-        raise
-    dp_mesh = mesh if mesh.ndim == 1 else _dp_sub_mesh(mesh, dp)
-    replicate_mesh = _dp_sub_mesh(mesh, 0) if hsdp else None
-    reshard = None if reshard_after_forward is None else bool(reshard_after_forward)
+    params = _shard_or_restore(modules, mesh, dp, ignored_params, shard_placement_fn, hsdp)
     state = FullyShardState(
-        mesh, dp_mesh, params, replicate_mesh=replicate_mesh, reshard_after_forward=reshard, mp_policy=mp_policy
+        mesh,
+        mesh if mesh.ndim == 1 else _dp_sub_mesh(mesh, dp),
+        params,
+        replicate_mesh=_dp_sub_mesh(mesh, 0) if hsdp else None,
+        reshard_after_forward=None if reshard_after_forward is None else bool(reshard_after_forward),
+        mp_policy=mp_policy,
     )
-    before_forward, after_forward = EagerHook(state, "before_forward"), EagerHook(state, "after_forward")
-    for m in modules:
-        m.register_forward_pre_hook(before_forward, with_kwargs=True)
-        # with_kwargs and always_call: un-shadow even if forward raises
-        m.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
-        setattr(m, _STATE_ATTR, state)
-        as_fsdp_module(m)
+    _attach(state, modules)
     return module
 
 
@@ -130,6 +110,18 @@ def _is_hsdp_mesh(mesh: DeviceMesh) -> bool:
     """FSDP2's rule for a 2-d mesh: (replicate, shard); spmd's dim called "dp" takes precedence."""
     names = mesh.mesh_dim_names
     return mesh.ndim == 2 and names is not None and DP_MESH_DIM_NAME not in names
+
+
+def _resolve_mesh(
+    mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None, dp_mesh_dim: int | str | None
+) -> tuple[DeviceMesh, int, bool]:
+    """The mesh (None: a 1-d mesh over the world), its dp dim, and whether it is FSDP2's HSDP mesh."""
+    mesh = _default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}")
+    hsdp = dp_mesh_dims is None and dp_mesh_dim is None and _is_hsdp_mesh(mesh)
+    dp = 1 if hsdp else resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
+    return mesh, dp, hsdp
 
 
 def _dp_dim_name(dims: DataParallelMeshDims | None, dp_mesh_dim: int | str | None) -> int | str | None:
@@ -173,6 +165,41 @@ def _dp_sub_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
     if names is None:
         raise ValueError(f"fully_shard on the {mesh.ndim}-d {mesh} needs named mesh dims (mesh_dim_names=...)")
     return mesh[names[dp]]
+
+
+def _shard_or_restore(
+    modules: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    dp: int,
+    ignored_params: set[nn.Parameter] | None,
+    placement_fn: ShardPlacementFn | None,
+    hsdp: bool,
+) -> list[ShardedParameter]:
+    """Shard the modules' owned parameters; on bad input raise, leaving the modules as they were."""
+    for m in modules:
+        if fully_shard_state(m) is not None:
+            raise RuntimeError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
+    ignored = {id(p) for p in ignored_params or ()}
+    originals = {
+        (id(m), name): (m, name, p) for root in modules for m in root.modules() for name, p in m._parameters.items()
+    }
+    try:
+        return _shard_owned_parameters(modules, mesh, dp, ignored, placement_fn, hsdp)
+    except Exception:
+        for m, name, param in originals.values():
+            m._parameters[name] = param
+        raise
+
+
+def _attach(state: FullyShardState, modules: Sequence[nn.Module]) -> None:
+    """Install the state's forward hooks on each module and make it an FSDPModule."""
+    before_forward, after_forward = EagerHook(state, "before_forward"), EagerHook(state, "after_forward")
+    for m in modules:
+        m.register_forward_pre_hook(before_forward, with_kwargs=True)
+        # with_kwargs and always_call: un-shadow even if forward raises
+        m.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
+        setattr(m, _STATE_ATTR, state)
+        as_fsdp_module(m)
 
 
 def _shard_owned_parameters(

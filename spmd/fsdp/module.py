@@ -159,7 +159,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         try:
             outputs = method(*args, **kwargs)
         except BaseException:
-            state._unshadow()
+            state.abort_forward()
             raise
         return state.after_forward(module, args, kwargs, outputs)
 

@@ -1,20 +1,20 @@
-"""The forward/backward life of one fully_shard call's parameters.
+"""The forward/backward life of one fully_shard call's parameters, one ``TrainingState`` per phase.
 
-  before forward   all-gather the group's sharded parameters over dp, one all_gather per dtype
-                   (``spmd.fsdp.flat``, autograd-tracked), and let each gathered copy shadow the
-                   registered shard, so the module's unchanged code computes with it
-  after forward    un-shadow; with ``reshard_after_forward`` free the gathered storage
-                   (``untyped_storage().resize_(0)``: autograd's saved copies share it), except on
-                   the root (no fully_shard'ed ancestor), whose backward starts right away
-  before backward  an identity autograd node on the module's outputs runs first in backward: it
-                   all-gathers again into the same storage and shadows the parameters again until
-                   the group's backward has run, so that activation checkpointing's recompute
-                   computes with the gathered copies (not the shards)
-  backward         the gathered copies' gradients (each dp rank's contribution) are reduce-scattered
-                   in one collective per dtype back to the shards (under HSDP then all-reduced over
-                   the replicate dim), so ``.grad`` is laid out like the parameter
-  recompute        a forward run inside backward (activation checkpointing) reuses the copies shadowed
-                   for backward, or gathers without freeing
+  FORWARD        before forward: all-gather the group's sharded parameters over dp, one all_gather
+                 per dtype (``spmd.fsdp.flat``, autograd-tracked), and let each gathered copy shadow
+                 the registered shard, so the module's unchanged code computes with it
+  IDLE           after forward: un-shadow; with ``reshard_after_forward`` free the gathered storage
+                 (``untyped_storage().resize_(0)``: autograd's saved copies share it), except on the
+                 root (no fully_shard'ed ancestor), whose backward starts right away
+  PRE_BACKWARD   an identity autograd node on the module's outputs runs first in backward: it
+                 all-gathers again into the same storage and shadows the parameters again until the
+                 group's backward has run, so that activation checkpointing's recompute computes with
+                 the gathered copies (not the shards); a recompute that comes first gathers without
+                 freeing and enters this phase itself
+  POST_BACKWARD  the group's backward: the gathered copies' gradients (each dp rank's contribution)
+                 are reduce-scattered in one collective per dtype back to the shards (under HSDP then
+                 all-reduced over the replicate dim), so ``.grad`` is laid out like the parameter, and
+                 the shards are registered again; IDLE once the backward pass has ended
 
 The hooks on the module are bound methods of this state, which holds only the mesh, the parameters
 and their modules, so a fully_shard'ed module pickles and deep-copies (outside forward).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import Any
 
 import torch
@@ -40,7 +41,21 @@ from spmd.tensor import DeviceMesh, DTensor, Partial, Placement
 from spmd.tensor.redistribute.run import grad_placements_for, redistribute_traced
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 
-__all__ = ["FullyShardState", "add_storage_resize_observer"]
+__all__ = ["FullyShardState", "TrainingState", "add_storage_resize_observer"]
+
+
+class TrainingState(Enum):
+    """Which phase of a training step one fully_shard group is in (FSDP2's names)."""
+
+    IDLE = auto()
+    """Outside forward and the group's backward: the shards are registered (or ``unshard()``'s copies shadow them)."""
+    FORWARD = auto()
+    """Between the forward hooks: forward's gathered copies shadow the shards."""
+    PRE_BACKWARD = auto()
+    """Backward has reached the module's outputs (or recomputes its forward): copies gathered for backward
+    shadow the shards until the group's backward has run."""
+    POST_BACKWARD = auto()
+    """The group's backward has run: the shards are registered again, until the backward pass ends."""
 
 
 class FullyShardState:
@@ -73,7 +88,7 @@ class FullyShardState:
         """None: dp size for per-rank losses, 1 for the global loss of DTensor inputs."""
         self._gathered: dict[int, torch.Tensor] = {}
         self._views: dict[int, torch.Tensor] = {}
-        self._unsharded = False
+        self._training_state = TrainingState.IDLE
         self._specs: _SpecCache = {}
         """The gathered copies' specs, built once rather than every forward."""
 
@@ -81,22 +96,26 @@ class FullyShardState:
     def before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
-        if _in_backward() and self._views:
+        if self._training_state is TrainingState.PRE_BACKWARD:
             return args, kwargs  # a recompute in backward: the copies shadowed for backward serve it
-        global_loss = self._global_loss(args, kwargs)
-        self._unsharded = False  # forward gathers with autograd itself; its end un-shadows an unshard()'s copies
-        self._gathered, self._views = self.gather(global_loss=global_loss)
-        self._shadow(self._views)
+        self._gathered, views = self.gather(global_loss=self._global_loss(args, kwargs))
+        if _in_backward():  # a recompute ahead of the module's backward: its copies serve that backward
+            self._pre_backward(views)
+        else:
+            self._views = views
+            self._shadow(views)
+            self._training_state = TrainingState.FORWARD
         return args, kwargs
 
     def after_forward(self, module: nn.Module, args: Any, kwargs: Any, outputs: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
             outputs = _cast_floats(outputs, self.mp_policy.output_dtype)
-        if _in_backward():
+        if self._training_state is TrainingState.PRE_BACKWARD:
             return outputs  # a recompute: the shadows belong to the backward that runs it
         self._unshadow()
         gathered, views = self._gathered, self._views
         self._gathered, self._views = {}, {}
+        self._training_state = TrainingState.IDLE
         leaves, spec = tree_flatten(outputs)
         needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not needs_grad:
@@ -117,7 +136,7 @@ class FullyShardState:
             if self.divide_factor is not None
             else (1.0 if global_loss else float(self.dp_mesh.size() * self._replicas()))
         )
-        options = ReduceOptions(self.mp_policy.reduce_dtype, factor, self.sync, self._end_backward)
+        options = ReduceOptions(self.mp_policy.reduce_dtype, factor, self.sync, self._post_backward)
         gathered: dict[int, torch.Tensor] = {}
         views: dict[int, torch.Tensor] = {}
         for group in self.groups:
@@ -137,13 +156,21 @@ class FullyShardState:
             _, views = self.gather(global_loss=self._global_loss((), {}))
         self._views = views
         self._shadow(views)
-        self._unsharded = True
 
     def reshard(self) -> None:
-        """Drop the shadows ``unshard`` set; the registered parameters are the shards again."""
-        if self._unsharded:
+        """Drop the shadows ``unshard`` set; the registered parameters are the shards again.
+
+        Inside forward or before the group's backward has run the shadows are theirs, and stay."""
+        if self._training_state not in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
             self._unshadow()
-            self._views, self._unsharded = {}, False
+            self._views = {}
+
+    def abort_forward(self) -> None:
+        """Forward raised: the registered parameters are the shards again."""
+        self._unshadow()
+        if self._training_state is TrainingState.FORWARD:
+            self._gathered, self._views = {}, {}
+            self._training_state = TrainingState.IDLE
 
     def _global_loss(self, args: Any, kwargs: Any) -> bool:
         """Whether forward sees the global loss: a layout that says so, or DTensor inputs on the mesh."""
@@ -163,11 +190,26 @@ class FullyShardState:
         for p in self.params:
             p.module.__dict__.pop(p.name, None)
 
-    def _end_backward(self) -> None:
+    # ----- backward -----------------------------------------------------------------------------
+    def _pre_backward(self, views: dict[int, torch.Tensor]) -> None:
+        """Shadow the shards with copies gathered for backward until the group's backward has run."""
+        self._views = views
+        self._shadow(views)
+        self._training_state = TrainingState.PRE_BACKWARD
+        # the group's backward un-shadows; this catches a group whose backward never runs
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _post_backward(self) -> None:
         """The group's backward has run: the registered parameters are the shards again."""
-        if not self._unsharded and self._views:
+        if self._training_state is TrainingState.PRE_BACKWARD:
             self._unshadow()
             self._views = {}
+            self._training_state = TrainingState.POST_BACKWARD
+
+    def _finish_backward(self) -> None:
+        """The backward pass has ended, whether or not the group's backward ran in it."""
+        self._post_backward()
+        self._training_state = TrainingState.IDLE
 
 
 def _in_backward() -> bool:
@@ -308,10 +350,6 @@ class _BeforeBackward(torch.autograd.Function):
         for_backward: _ForBackward | None = ctx.for_backward
         if for_backward is not None:
             for_backward.regather()
-            state = for_backward.state
-            state._views = for_backward.views
-            state._shadow(for_backward.views)
-            # the group's backward un-shadows; this catches a group whose backward never runs
-            torch.autograd.Variable._execution_engine.queue_callback(state._end_backward)
+            for_backward.state._pre_backward(for_backward.views)
         ctx.for_backward = None  # from here autograd's saved copies are the only holders: freed as backward goes
         return (None, *grads)
