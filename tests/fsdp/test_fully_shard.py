@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +27,6 @@ from spmd.tensor_parallel import (
 )
 from spmd.testing import run_threaded, seeded_randn
 from spmd.testing.models import tp_plan
-from spmd.testing.multiprocess import run_multiprocess
 
 VOCAB, DIM, LAYERS, BATCH, SEQ = 32, 16, 2, 8, 6
 STEPS = 3
@@ -134,7 +135,7 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
 
 
-def distributed_run(mesh_shape: tuple[int, ...], *, tp: bool, foreach: bool = False) -> dict[str, object]:
+def distributed_run(mesh_shape: tuple[int, ...], tp: bool, foreach: bool = False) -> dict[str, object]:
     """Train on the current world (threads or gloo processes); what the tests compare."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -190,9 +191,9 @@ def test_fsdp_on_a_mesh_of_4_trains_like_one_device() -> None:
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
-def test_fsdp_x_tp_on_2x2_trains_like_one_device(foreach: bool) -> None:
+def test_fsdp_x_tp_on_2x2_trains_like_one_device(world: Callable[..., list[Any]], foreach: bool) -> None:
     """AdamW's per-parameter and multi-tensor implementations both step on the shards."""
-    per_rank = run_threaded(distributed_run, 4, (2, 2), tp=True, foreach=foreach)
+    per_rank = world(distributed_run, 4, (2, 2), True, foreach, timeout=240)
     check_against_one_device(per_rank, 4)
     placements = per_rank[0]["placements"]
     # tp already cuts dim 0 of a column-wise weight: dp cuts dim 1, so gathering over dp is a plain all_gather
@@ -387,17 +388,6 @@ def test_errors_say_what_to_do() -> None:
             fully_shard(build_model(), mesh=unnamed)
 
     run_threaded(run, 4)
-
-
-def _gloo_fsdp_x_tp() -> dict[str, object]:
-    torch.set_num_threads(1)
-    return distributed_run((2, 2), tp=True)
-
-
-@pytest.mark.multiprocess
-def test_fsdp_x_tp_on_4_gloo_processes() -> None:
-    per_rank = run_multiprocess(_gloo_fsdp_x_tp, 4, timeout=240)
-    check_against_one_device(per_rank, 4)
 
 
 def test_a_failed_forward_leaves_the_shards_registered() -> None:

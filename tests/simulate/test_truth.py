@@ -7,7 +7,9 @@ bytes), and hold exactly the same bytes of parameters, gradients and AdamW state
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from spmd.simulate.memory import local_storages
 from spmd.simulate.report import CollectiveStat
 from spmd.tensor import DeviceMesh, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import load_script, run_multiprocess, run_threaded
+from spmd.testing import load_script, run_threaded
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
 
@@ -83,33 +85,47 @@ def assert_same(real: Outcome, simulated: Outcome, rank: int) -> None:
     assert sim_state == real_state, f"rank {rank}: simulated {sim_state}, real {real_state}"
 
 
-def _threaded_real_with(fn: Any, cfg: Any) -> list[Any]:
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Rank threads share this process's intra-op threads: one, as each gloo process has."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return run_threaded(fn, cfg.dp * cfg.tp, cfg)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _threaded_real_with(fn: Any, cfg: Any) -> list[Any]:
+    with _one_intra_op_thread():
+        return run_threaded(fn, cfg.dp * cfg.tp, cfg)
 
 
 def _threaded_real(cfg: Any) -> list[Outcome]:
     return _threaded_real_with(real_step, cfg)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"dp": 2, "tp": 2, "sequence_parallel": False},
-        {"dp": 2, "tp": 2, "sequence_parallel": True},
-        {"dp": 2, "tp": 2, "sequence_parallel": True, "fsdp": True},
-        {"dp": 2, "tp": 2, "fsdp": True, "vocab_size": 130, "seq_len": 30, "batch_size": 6},  # uneven shards
-    ],
-    ids=["tp", "tp+sp", "fsdp+tp+sp", "uneven"],
-)
-def test_world_4_threads_every_rank(overrides: dict[str, Any]) -> None:
-    cfg = demo.Config(**overrides)
-    for rank, real in enumerate(_threaded_real(cfg)):
-        assert_same(real, simulated_step(cfg, rank), rank)
+WORLD_4 = {
+    "tp": {"dp": 2, "tp": 2, "sequence_parallel": False},
+    "tp+sp": {"dp": 2, "tp": 2, "sequence_parallel": True},
+    "fsdp+tp+sp": {"dp": 2, "tp": 2, "sequence_parallel": True, "fsdp": True},
+    "uneven": {"dp": 2, "tp": 2, "fsdp": True, "vocab_size": 130, "seq_len": 30, "batch_size": 6},  # uneven shards
+}
+
+
+def real_steps(configs: list[dict[str, Any]]) -> list[Outcome]:
+    """The real step of each config in turn, in one world. The configs travel as plain values,
+    whatever way each gloo process loaded the demo."""
+    return [real_step(demo.Config(**fields)) for fields in configs]
+
+
+def test_world_4_every_rank(world: Callable[..., list[Any]]) -> None:
+    with _one_intra_op_thread():
+        per_rank = world(real_steps, 4, list(WORLD_4.values()), timeout=240)
+    for i, overrides in enumerate(WORLD_4.values()):
+        cfg = demo.Config(**overrides)
+        for rank, real in enumerate(per_rank):
+            assert_same(real[i], simulated_step(cfg, rank), rank)
 
 
 @pytest.mark.parametrize(
@@ -131,11 +147,6 @@ def test_uneven_ranks_differ_and_each_matches() -> None:
     assert per_rank[0][1].params > per_rank[3][1].params
     for rank in (0, 3):
         assert_same(per_rank[rank], simulated_step(cfg, rank), rank)
-
-
-def _gloo_real_step(fields: dict[str, Any]) -> Outcome:
-    torch.set_num_threads(1)
-    return real_step(demo.Config(**fields))
 
 
 def real_peaks(cfg: Any) -> tuple[int, int]:
@@ -166,12 +177,3 @@ def test_memory_peaks_equal_the_real_run(overrides: dict[str, Any]) -> None:
     plan = parse_plan(f"dp={cfg.dp},tp={cfg.tp}", fsdp=cfg.fsdp, sequence_parallel=cfg.sequence_parallel)
     report = simulate(DemoWorkload(cfg), plan)
     assert (report.peak, report.activations_peak) == (real_peak, real_activations)
-
-
-@pytest.mark.multiprocess
-def test_world_4_gloo() -> None:
-    cfg = replace(demo.Config(), fsdp=True)
-    # The config travels as plain values, whatever way each process loaded the demo.
-    per_rank = run_multiprocess(_gloo_real_step, 4, asdict(cfg), timeout=240)
-    for rank, real in enumerate(per_rank):
-        assert_same(real, simulated_step(cfg, rank), rank)

@@ -3,7 +3,7 @@
 ``_unflatten`` splits a dim of the world mesh into named dims (pp, dp_replicate, dp_shard, cp, tp);
 the result shares the world mesh as root, is sliced by the new names and flattened again.
 ``from_group`` wraps groups that exist already. torch's answers come from its own DeviceMesh on a
-fake process group, one rank at a time; ours from the threaded world and from gloo processes.
+fake process group, one rank at a time; ours from rank threads and from gloo processes.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from spmd.tensor import DeviceMesh, DTensor, Partial, Replicate, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.testing import DTensorTestBase, run_threaded, with_comms
+from spmd.testing import DTensorTestBase, with_comms
 from spmd.testing.multiprocess import run_multiprocess
 
 # (pp, dp_replicate, dp_shard, cp, tp, ep) on 8 ranks
 DP_SHARD_TP = (1, 1, 4, 1, 2, 1)
 HSDP_TP = (1, 2, 2, 1, 2, 1)
 FSDP_CP_TP = (1, 1, 2, 2, 2, 1)
+TITAN_LAYOUTS = {"dp_shard-tp": DP_SHARD_TP, "hsdp-tp": HSDP_TP, "fsdp-cp-tp": FSDP_CP_TP}
 
 
 def build_titan_meshes(init_mesh: Callable[..., Any], degrees: tuple[int, ...]) -> dict[str, Any]:
@@ -109,23 +110,17 @@ def torch_titan_meshes(degrees: tuple[int, ...], world_size: int = 8) -> list[di
     return per_rank
 
 
-@pytest.mark.parametrize("degrees", [DP_SHARD_TP, HSDP_TP, FSDP_CP_TP], ids=["dp_shard-tp", "hsdp-tp", "fsdp-cp-tp"])
-def test_torchtitan_build_mesh_matches_torch_on_threads(degrees: tuple[int, ...]) -> None:
-    ours = run_threaded(describe_titan_meshes, 8, degrees)
-    theirs = torch_titan_meshes(degrees)
-    for rank in range(8):
-        assert ours[rank] == theirs[rank], f"rank {rank}"
+def describe_every_titan_layout() -> dict[str, dict[str, tuple[Any, ...]]]:
+    """Each layout's meshes, built one layout after another in one world."""
+    return {layout: describe_titan_meshes(degrees) for layout, degrees in TITAN_LAYOUTS.items()}
 
 
-def _titan_meshes_on_gloo() -> list[dict[str, tuple[Any, ...]]]:
-    return [describe_titan_meshes(DP_SHARD_TP), describe_titan_meshes(HSDP_TP)]
-
-
-@pytest.mark.multiprocess
-def test_torchtitan_build_mesh_matches_torch_on_gloo() -> None:
-    ours = run_multiprocess(_titan_meshes_on_gloo, 8, timeout=120)
-    for rank in range(8):
-        assert ours[rank] == [torch_titan_meshes(DP_SHARD_TP)[rank], torch_titan_meshes(HSDP_TP)[rank]]
+def test_torchtitan_build_mesh_matches_torch(world: Callable[..., list[Any]]) -> None:
+    ours = world(describe_every_titan_layout, 8, timeout=120)
+    for layout, degrees in TITAN_LAYOUTS.items():
+        theirs = torch_titan_meshes(degrees)
+        for rank in range(8):
+            assert ours[rank][layout] == theirs[rank], f"{layout}, rank {rank}"
 
 
 class UnflattenTest(DTensorTestBase):

@@ -4,7 +4,9 @@ ranks out (those ranks hold empty pieces and run nothing)."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from spmd.tensor import (
@@ -22,7 +24,6 @@ from spmd.tensor import (
 )
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, with_comms
-from spmd.testing.multiprocess import run_multiprocess
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
@@ -244,7 +245,7 @@ class RanksOutsideTheMeshTest(DTensorTestBase):
 
 
 # ----- the same on gloo process groups (one process per rank) -------------------------------------
-def _flatten_and_leave_ranks_out_on_gloo() -> list[int]:
+def flatten_and_leave_ranks_out() -> list[int]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     mesh._flatten("ab")  # every rank joins the new group (c10d's new_group is collective)
     partial = DTensor.from_local(torch.ones(4, 4), mesh, [Partial(), Partial()])
@@ -255,7 +256,6 @@ def _flatten_and_leave_ranks_out_on_gloo() -> list[int]:
     return [comm.get_total_counts(), gathered.numel()]
 
 
-@pytest.mark.multiprocess
-def test_flatten_and_ranks_outside_a_mesh_on_gloo() -> None:
-    counts = run_multiprocess(_flatten_and_leave_ranks_out_on_gloo, 4)
+def test_flatten_and_ranks_outside_a_mesh(world: Callable[..., list[Any]]) -> None:
+    counts = world(flatten_and_leave_ranks_out, 4)
     assert counts == [[1, 4], [1, 0], [1, 4], [1, 0]]

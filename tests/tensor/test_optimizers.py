@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -21,7 +20,6 @@ from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, i
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, seeded_randn, with_comms
 from spmd.testing.layouts import make_dtensor
-from spmd.testing.multiprocess import run_multiprocess
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 SUM = Partial("sum")
@@ -305,15 +303,13 @@ def _clip_and_step(implementation: str, mesh: Any | None) -> dict[str, torch.Ten
     return result
 
 
-def _gloo_clip_and_step() -> dict[str, dict[str, torch.Tensor]]:
-    torch.set_num_threads(1)
+def clip_and_step_each_implementation() -> dict[str, dict[str, torch.Tensor]]:
     mesh = init_device_mesh("cpu", (2,))
     return {implementation: _clip_and_step(implementation, mesh) for implementation in ("foreach", "fused")}
 
 
-@pytest.mark.multiprocess
-def test_clip_and_steps_on_2_gloo_processes() -> None:
-    for per_rank in run_multiprocess(_gloo_clip_and_step, 2, timeout=240):
+def test_clip_and_steps_on_2_ranks(world: Callable[..., list[Any]]) -> None:
+    for per_rank in world(clip_and_step_each_implementation, 2, timeout=240):
         for implementation, results in per_rank.items():
             expected = _clip_and_step(implementation, None)
             assert results.keys() == expected.keys()

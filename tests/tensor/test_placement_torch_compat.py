@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,6 @@ import torch.distributed as dist
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.testing import DTensorTestBase, run_subtests, seeded_randn, with_comms
-from spmd.testing.multiprocess import run_multiprocess
 
 PRODUCT = Partial("product")
 
@@ -202,9 +203,9 @@ class ProductPartialTest(DTensorTestBase):
 
 
 # ----- on gloo processes -----------------------------------------------------------------------------
-def product_on_gloo() -> None:
+def product_on_2_ranks() -> None:
     mesh = init_device_mesh("cpu", (2,))
-    assert isinstance(mesh.get_group(), dist.ProcessGroup)  # really c10d, not the threaded world
+    assert isinstance(mesh.get_group(), dist.ProcessGroup)  # a c10d group on rank threads too
     for dtype in (torch.float64, torch.int64):
         x = DTensor.from_local(factor(dist.get_rank(), 5, 3, dtype=dtype), mesh, [PRODUCT])
         expected = product_of_factors(2, 5, 3, dtype=dtype)
@@ -212,6 +213,5 @@ def product_on_gloo() -> None:
             torch.testing.assert_close(x.redistribute(mesh, [target]).full_tensor(), expected)
 
 
-@pytest.mark.multiprocess
-def test_product_partial_on_gloo() -> None:
-    run_multiprocess(product_on_gloo, 2)
+def test_product_partial_redistributes_to_every_placement(world: Callable[..., list[Any]]) -> None:
+    world(product_on_2_ranks, 2)  # each rank asserts its values

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
 from spmd.comm.replicas import ReplicaMismatchError
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CollectiveMismatchError, check_collectives
-from spmd.testing import run_multiprocess, run_threaded
+from spmd.testing import run_threaded
 
 
 def _error_of(fn: Any) -> str:
@@ -34,17 +34,20 @@ def test_a_replica_mismatch_is_a_collective_mismatch() -> None:
 
 
 # ----- forward: from_local(..., Replicate) -------------------------------------------------------
-def from_local_differing_on_rank_3() -> str:
+def from_local_differing_on_rank_3() -> tuple[str, float]:
+    """The error, and the seconds it took to come (the world's timeout is 30 s)."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     bias = torch.ones(3) * (2.0 if mesh.get_rank() == 3 else 1.0)
-    with check_collectives():
-        return _error_of(lambda: DTensor.from_local(bias, mesh, [Replicate()]))
-
-
-def test_from_local_with_values_that_differ_raises_on_every_rank() -> None:
     start = time.monotonic()
-    message = _same_on_every_rank(run_threaded(from_local_differing_on_rank_3, 4, timeout=30))
-    assert time.monotonic() - start < 10
+    with check_collectives():
+        message = _error_of(lambda: DTensor.from_local(bias, mesh, [Replicate()]))
+    return message, time.monotonic() - start
+
+
+def test_from_local_with_values_that_differ_raises_on_every_rank(world: Callable[..., list[Any]]) -> None:
+    messages, seconds = zip(*world(from_local_differing_on_rank_3, 4, timeout=30), strict=True)
+    message = _same_on_every_rank(list(messages))
+    assert max(seconds) < 10
     assert (
         "replica check: the local tensor passed to DTensor.from_local of bias at tests/tensor/debug/test_replica_check.py:"
         in message
@@ -115,8 +118,8 @@ class LocalLinear(nn.Module):
         return x @ self.weight.to_local(grad_placements=self.grad_placements).t()
 
 
-def local_linear_backward(grad_placements: Any) -> str | torch.Tensor:
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+def local_linear_backward(grad_placements: Any, world_size: int = 2) -> str | torch.Tensor:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     model = LocalLinear(mesh, grad_placements)
     x = torch.ones(2, 4) * (mesh.get_rank() + 1)  # each rank its own batch
     with check_collectives():
@@ -129,14 +132,14 @@ def local_linear_backward(grad_placements: Any) -> str | torch.Tensor:
     return grad.full_tensor()
 
 
-def test_a_rank_dependent_gradient_of_a_replicated_weight_raises() -> None:
-    message = _same_on_every_rank(run_threaded(local_linear_backward, 2, None, timeout=30))  # type: ignore[arg-type]
+def test_a_rank_dependent_gradient_of_a_replicated_weight_raises(world: Callable[..., list[Any]]) -> None:
+    message = _same_on_every_rank(world(local_linear_backward, 4, None, 4, timeout=30))
     assert (
         "replica check: the gradient arriving at the backward of to_local() of LocalLinear.weight at "
         "tests/tensor/debug/test_replica_check.py:"
     ) in message
-    assert "claims Replicate on mesh dim 'tp' (ranks [0, 1])" in message
-    assert "ranks [1] differ from ranks [0]" in message
+    assert "claims Replicate on mesh dim 'tp' (ranks [0, 1, 2, 3])" in message
+    assert "ranks [1, 2, 3] differ from ranks [0]" in message
     assert "grad_placements=[Partial()]" in message
 
 
@@ -160,27 +163,3 @@ def test_the_gradient_arriving_at_from_local_is_compared() -> None:
 
     message = _same_on_every_rank(run_threaded(backward, 2, timeout=30))
     assert "the gradient arriving at the backward of DTensor.from_local claims Replicate on mesh dim 'tp'" in message
-
-
-# ----- gloo processes -----------------------------------------------------------------------------
-def replica_cases_on_gloo() -> dict[str, str]:
-    """Both cases on 4 processes, each rank's message without its rank prefix."""
-    from_local = from_local_differing_on_rank_3()
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    model = LocalLinear(mesh)
-    x = torch.ones(2, 4) * (mesh.get_rank() + 1)
-    with check_collectives():
-        loss = model(x).sum()
-        backward = _error_of(loss.backward)
-    return {"from_local": from_local.split(": ", 1)[1], "backward": backward.split(": ", 1)[1]}
-
-
-@pytest.mark.multiprocess
-def test_replica_checks_raise_on_every_gloo_process() -> None:
-    start = time.monotonic()
-    results = run_multiprocess(replica_cases_on_gloo, 4, timeout=120.0)
-    assert time.monotonic() - start < 60
-    assert all(r == results[0] for r in results), "every process raises the same errors"
-    assert "ranks [3] differ from ranks [0, 1, 2]" in results[0]["from_local"]
-    assert "to_local() of LocalLinear.weight" in results[0]["backward"]
-    assert "ranks [1, 2, 3] differ from ranks [0]" in results[0]["backward"]
