@@ -13,15 +13,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import spmd
-
 __all__ = ["run_torchrun"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Longest a run may take unless the caller says otherwise: every rank imports torch, on a loaded machine too."""
 
-SPMD_ROOT = str(Path(spmd.__file__).resolve().parent.parent)
-"""The directory holding this ``spmd`` package: the ranks import it, not another installed copy."""
+IMPORT_ROOT = str(Path(__file__).resolve().parents[__name__.count(".")])
+"""The directory holding this module's top-level package: the ranks import this copy, not another installed one."""
 
 
 def run_torchrun(
@@ -36,14 +34,14 @@ def run_torchrun(
     """Run ``script_path`` with ``args`` on ``nproc`` processes under ``torchrun --standalone``; return
     the finished process, its output captured as text. The exit code is the caller's to check.
 
-    Each rank finds this ``spmd`` first on ``PYTHONPATH``, keeps gloo on loopback and runs one OpenMP
+    Each rank finds this package first on ``PYTHONPATH``, keeps gloo on loopback and runs one OpenMP
     thread (several ranks share the machine's cores). ``env`` adds or overrides variables on top of
-    this process's; a ``PYTHONPATH`` in it goes before spmd's root. ``module=True`` runs
+    this process's; a ``PYTHONPATH`` in it goes before that root. ``module=True`` runs
     ``script_path`` as a module name, as ``python -m`` does. Raises ``subprocess.TimeoutExpired``
     if the run takes longer than ``timeout`` seconds.
     """
     extra = dict(env or {})
-    pythonpath = [path for path in (extra.pop("PYTHONPATH", ""), SPMD_ROOT, os.environ.get("PYTHONPATH", "")) if path]
+    pythonpath = [path for path in (extra.pop("PYTHONPATH", ""), IMPORT_ROOT, os.environ.get("PYTHONPATH", "")) if path]
     run_env = {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
