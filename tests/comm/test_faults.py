@@ -197,8 +197,8 @@ def test_disagreeing_parallelize_plans_raise_under_the_check() -> None:
 
     message = run_threaded(parallelize, 2, timeout=30)[0]
     # the weight's blocks: rows of it on rank 0, columns on rank 1
-    assert "ranks [0]: scatter(src=0) on mesh dim 'tp' f32[2,4,8] at tests/tensor/test_faults.py:" in message
-    assert "ranks [1]: scatter(src=0) on mesh dim 'tp' f32[2,8,4] at tests/tensor/test_faults.py:" in message
+    assert "ranks [0]: scatter(src=0) on mesh dim 'tp' f32[2,4,8] at tests/comm/test_faults.py:" in message
+    assert "ranks [1]: scatter(src=0) on mesh dim 'tp' f32[2,8,4] at tests/comm/test_faults.py:" in message
 
 
 def test_disagreeing_sequence_parallelism_raises_under_the_check() -> None:

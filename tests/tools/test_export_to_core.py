@@ -20,7 +20,7 @@ ROOT = "coretorch"
 MAPPING = etc.load_module_map(ROOT)
 EXPORTED_TESTS = [
     "test/distributed/_tensor/test_placement.py",
-    "test/distributed/_tensor/test_device_mesh.py",
+    "test/distributed/_tensor/device_mesh/test_device_mesh.py",
     "test/distributed/_tensor/test_dtensor_api.py",
     "test/distributed/tensor_parallel/test_legacy_import.py",
 ]

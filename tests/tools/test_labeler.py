@@ -35,6 +35,7 @@ def test_labeler_is_v5_shaped() -> None:
     [
         ("spmd/tensor/dispatch/dispatcher.py", {"module: dtensor"}),
         ("tests/tensor/ops/test_views.py", {"module: dtensor"}),
+        ("tests/comm/test_faults_gloo.py", {"module: dtensor"}),
         ("spmd/tensor_parallel/linear.py", {"module: tensor parallel"}),
         ("tests/tensor_parallel/test_styles.py", {"module: tensor parallel"}),
         ("spmd/tensor/parallel/__init__.py", {"module: dtensor", "module: tensor parallel"}),
