@@ -31,9 +31,6 @@ class World:
     def __call__(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
         return self.run(fn, world_size, *args, **({} if timeout is None else {"timeout": timeout}))
 
-    def __repr__(self) -> str:
-        return self.name
-
 
 WORLDS = {"threads": World("threads", run_threaded), "gloo": World("gloo", run_multiprocess)}
 
