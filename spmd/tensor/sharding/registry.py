@@ -9,6 +9,7 @@ The propagator expands candidates to n-d meshes and picks the cheapest. Rules ne
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,16 +68,10 @@ class OpRegistry:
         """
 
         def decorate(rule: Rule) -> Rule:
-            def make(overload: Any) -> OpEntry:
-                return OpEntry.of(
-                    overload,
-                    rule,
-                    local_args=local_args,
-                    local_impl=local_impl,
-                    decompose=decompose,
-                    float_values_matter=float_values_matter,
-                    answer=answer,
-                )
+            make = functools.partial(
+                OpEntry.of, rule=rule, local_args=local_args, local_impl=local_impl, decompose=decompose,
+                answer=answer, float_values_matter=float_values_matter,
+            )  # fmt: skip
 
             for op in ops:
                 if isinstance(op, str):
