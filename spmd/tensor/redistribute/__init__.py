@@ -8,12 +8,5 @@
 from spmd.tensor.redistribute.plan import FlattenedStep, TransformStep, moves_data, plan_redistribute, redistribute_cost
 from spmd.tensor.redistribute.run import Redistribute, redistribute_local
 
-__all__ = [
-    "TransformStep",
-    "FlattenedStep",
-    "plan_redistribute",
-    "redistribute_cost",
-    "moves_data",
-    "redistribute_local",
-    "Redistribute",
-]
+__all__ = ["plan_redistribute", "redistribute_cost", "moves_data", "TransformStep", "FlattenedStep"]
+__all__ += ["redistribute_local", "Redistribute"]
