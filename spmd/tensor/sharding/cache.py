@@ -27,13 +27,12 @@ class DecisionCache(Generic[V]):
         self.misses = 0
         """Values made so far (a key that cannot be hashed counts each time)."""
         self._entries: dict[Hashable, V] = {}
+        self.get: Callable[[Hashable], V | None] = self._entries.get
+        """The cached value, or None; raises ``TypeError`` for a key that cannot be hashed. The dict's own
+        ``get``, bound once: the dispatcher's common path looks up every op through it."""
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, key: Hashable) -> V | None:
-        """The cached value, or None; raises ``TypeError`` for a key that cannot be hashed."""
-        return self._entries.get(key)
 
     def get_or_decide(self, key: Hashable, decide: Callable[[], V]) -> tuple[V, bool]:
         """The value for ``key`` and whether it was cached; ``decide()`` makes it on a miss.
