@@ -19,7 +19,17 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
-__all__ = ["MODULES", "PUBLIC_API_MODULES", "NAMES", "SPMD_ROOTS", "TORCH_FALLBACK", "ModuleKind", "classify"]
+__all__ = [
+    "MODULES",
+    "PUBLIC_API_MODULES",
+    "NAMES",
+    "REEXPORTS",
+    "SPMD_ROOTS",
+    "TORCH_FALLBACK",
+    "ModuleKind",
+    "classify",
+    "reexport",
+]
 
 MODULES: dict[str, str] = {
     "torch.distributed.tensor": "spmd.tensor",
@@ -84,8 +94,16 @@ NAMES: dict[str, dict[str, str]] = {
     "torch.distributed.fsdp._fully_shard": _FSDP2,
     "torch.distributed.tensor._dtensor_spec": {"DTensorSpec": "spmd.tensor.spec", "TensorMeta": "spmd.tensor.spec"},
     "torch.distributed.tensor._random": {"manual_seed": "spmd.tensor.random"},
+    "torch.distributed.tensor._utils": {"compute_local_shape_and_global_offset": "spmd.tensor.spec"},
 }
 """torch module -> {name: the spmd module that has the same name with the same meaning}."""
+
+REEXPORTS: dict[str, dict[str, str]] = {
+    "torch.distributed": {"DeviceMesh": "spmd.tensor.device_mesh", "init_device_mesh": "spmd.tensor.device_mesh"},
+}
+"""torch packages that stay torch's but re-export DTensor names: {package: {name: spmd module}}. Inside a
+redirected package those names are spmd's however they are reached (``from torch.distributed import
+DeviceMesh``, ``dist.init_device_mesh(...)``); the package's other names stay torch's."""
 
 TORCH_FALLBACK = frozenset({"torch.distributed.fsdp"})
 """Modules of ``NAMES`` whose other names stay torch's (FSDP1, wrap policies)."""
@@ -123,3 +141,9 @@ def classify(torch_module: str, keep_torch: Collection[str] = ()) -> ModuleKind 
     if any(_under(torch_module, root) for root in SPMD_ROOTS):
         return "missing"
     return None
+
+
+def reexport(torch_package: str, name: str) -> str | None:
+    """The spmd module that ``torch_package.name`` comes from when it is a re-exported DTensor name
+    (``REEXPORTS``); None otherwise."""
+    return REEXPORTS.get(torch_package, {}).get(name)

@@ -14,9 +14,9 @@ import types
 from collections.abc import MutableMapping
 from typing import Any
 
-from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, classify
+from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, classify, reexport
 
-__all__ = ["NoSpmdEquivalentError", "RedirectedNames", "module", "names", "star"]
+__all__ = ["NoSpmdEquivalentError", "RedirectedNames", "module", "names", "reexported", "star"]
 
 
 class NoSpmdEquivalentError(ImportError):
@@ -92,10 +92,28 @@ def module(torch_module: str, importer: str) -> types.ModuleType:
     return _resolved.setdefault(torch_module, found)  # one proxy per module, whichever thread came first
 
 
+_reexported: dict[tuple[str, str], Any] = {}
+
+
+def reexported(torch_package: str, name: str, importer: str) -> Any:
+    """What ``torch_package.name`` means in ``importer`` when it is a re-exported DTensor name
+    (``torch.distributed.init_device_mesh``): spmd's object of that name."""
+    found = _reexported.get((torch_package, name))
+    if found is None:
+        spmd_module = reexport(torch_package, name)
+        if spmd_module is None:  # the rewrite asks only for listed names; anything else stays torch's
+            return getattr(importlib.import_module(torch_package), name)
+        found = _reexported.setdefault((torch_package, name), getattr(importlib.import_module(spmd_module), name))
+    return found
+
+
 def names(torch_module: str, wanted: tuple[str, ...], importer: str) -> tuple[Any, ...]:
     """What ``from torch_module import *wanted`` binds in the redirected module ``importer``."""
     found = []
     for name in wanted:
+        if reexport(torch_module, name) is not None:
+            found.append(reexported(torch_module, name, importer))
+            continue
         submodule = f"{torch_module}.{name}"
         listed = name in NAMES.get(torch_module, {})
         if not listed and (submodule in MODULES or submodule in NAMES):

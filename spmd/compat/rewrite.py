@@ -8,6 +8,8 @@ imports::
     import torch.distributed.tensor.parallel as tp              ->  tp = __spmd_compat__.module(...)
     import torch.distributed.tensor                             ->  import torch.distributed; __spmd_compat__.module(...)
     torch.distributed.tensor.DTensor  (in code)                 ->  __spmd_compat__.module(...).DTensor
+    from torch.distributed import init_device_mesh              ->  (init_device_mesh,) = __spmd_compat__.names(...)
+    dist.init_device_mesh  (in code, a re-exported name)        ->  __spmd_compat__.reexported(...)
 
 New nodes take the location of the statement or expression they replace, so tracebacks and
 ``linecache`` point at the real source. Relative imports and every other import stay as written.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import ast
 
-from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, ModuleKind, classify
+from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, ModuleKind, classify, reexport
 
 __all__ = ["RESOLVER", "rewrite_imports"]
 
@@ -137,16 +139,28 @@ class _ImportRewriter(ast.NodeTransformer):
         return statements
 
     def _from_torch_package(self, node: ast.ImportFrom, module: str) -> list[ast.stmt]:
-        """``from torch.distributed import tensor, ProcessGroup``: only the redirected submodules change."""
-        redirected = [a for a in node.names if a.name != "*" and self._kind(f"{module}.{a.name}") is not None]
-        if not redirected:
+        """``from torch.distributed import tensor, DeviceMesh, ProcessGroup``: only the redirected submodules
+        and re-exported DTensor names change."""
+        reexported = [a for a in node.names if reexport(module, a.name) is not None]
+        redirected = [
+            a
+            for a in node.names
+            if a.name != "*" and a not in reexported and self._kind(f"{module}.{a.name}") is not None
+        ]
+        if not redirected and not reexported:
             return [node]
-        kept = [a for a in node.names if a not in redirected]
+        kept = [a for a in node.names if a not in redirected and a not in reexported]
         statements: list[ast.stmt] = [ast.ImportFrom(module=module, names=kept, level=0)] if kept else []
         for alias in redirected:
             target = ast.Name(id=alias.asname or alias.name, ctx=ast.Store())
             statements.append(ast.Assign(targets=[target], value=self._module(f"{module}.{alias.name}")))
+        for alias in reexported:
+            target = ast.Name(id=alias.asname or alias.name, ctx=ast.Store())
+            statements.append(ast.Assign(targets=[target], value=self._reexported(module, alias.name)))
         return statements
+
+    def _reexported(self, package: str, name: str) -> ast.Call:
+        return self._call("reexported", ast.Constant(package), ast.Constant(name))
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.expr:
         parts = _dotted(node)
@@ -157,13 +171,17 @@ class _ImportRewriter(ast.NodeTransformer):
         for end in range(len(full), 1, -1):
             prefix = ".".join(full[:end])
             if (prefix in MODULES or prefix in NAMES) and self._kind(prefix) is not None:
+                resolved = self._module(prefix)
+                break
+            if reexport(".".join(full[: end - 1]), full[end - 1]) is not None:  # dist.init_device_mesh
+                resolved = self._reexported(".".join(full[: end - 1]), full[end - 1])
                 break
         else:
             return node
         rest = parts[len(parts) - (len(full) - end) :]
         if not rest and not isinstance(node.ctx, ast.Load):
             return node  # `torch.distributed.tensor = ...` rebinds torch's attribute; nothing to resolve
-        replacement: ast.expr = ast.copy_location(self._module(prefix), node)
+        replacement: ast.expr = ast.copy_location(resolved, node)
         for attr in rest:
             replacement = ast.copy_location(ast.Attribute(value=replacement, attr=attr, ctx=ast.Load()), node)
         if isinstance(replacement, ast.Attribute):

@@ -26,6 +26,7 @@ __all__ = [
     "DTensorSpec",
     "local_shape",
     "local_shape_and_offset",
+    "compute_local_shape_and_global_offset",
     "contiguous_strides",
     "normalize_placements",
     "has_strided",
@@ -232,6 +233,42 @@ def local_shape_and_offset(
             offset[p.dim] += shard_offsets(shape[p.dim], n)[i]
             shape[p.dim] = shard_sizes(shape[p.dim], n)[i]
     return tuple(shape), tuple(offset)
+
+
+def compute_local_shape_and_global_offset(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    skip_offset: bool = False,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The caller's piece under torch's name (``torch.distributed.tensor._utils``): its shape, and the
+    global index of its first entry in each dim (the dim's length for an empty piece).
+
+    Unlike ``local_shape_and_offset`` it takes ``_StridedShard`` too, whose piece is several blocks:
+    the offset is then the first entry it holds. A rank outside ``mesh`` gets ``((0,), ())``, and
+    ``skip_offset=True`` gives ``()`` for the offset.
+    """
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return (0,), ()
+    held: dict[int, Sequence[int]] = {}  # tensor dim -> the global indices of that dim the piece holds
+    for mesh_dim, p in enumerate(placements):
+        if not _is_shard_like(p):
+            continue
+        n, i = mesh.shape[mesh_dim], coordinate[mesh_dim]
+        indices = held.get(p.dim, range(global_shape[p.dim]))
+        if isinstance(p, _StridedShard):
+            held[p.dim] = [indices[k] for k in p.local_shard_indices(len(indices), n, i)]
+        else:
+            start = shard_offsets(len(indices), n)[i]
+            held[p.dim] = indices[start : start + shard_sizes(len(indices), n)[i]]
+    shape = tuple(len(held[d]) if d in held else size for d, size in enumerate(global_shape))
+    if skip_offset:
+        return shape, ()
+    offset = tuple(
+        0 if d not in held else (held[d][0] if len(held[d]) else size) for d, size in enumerate(global_shape)
+    )
+    return shape, offset
 
 
 def local_shape(

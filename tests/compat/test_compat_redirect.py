@@ -133,6 +133,35 @@ def test_star_imports_and_module_aliases_of_fsdp_take_fsdp2_from_spmd_and_fsdp1_
     assert "__spmd_compat__" not in spmd.tensor.__all__
 
 
+REEXPORTS = """
+import torch
+import torch.distributed as dist
+from torch import distributed
+from torch.distributed import DeviceMesh, ProcessGroup, init_device_mesh as make_mesh
+
+
+def meshes_by_chain():
+    return dist.init_device_mesh, torch.distributed.DeviceMesh, distributed.init_device_mesh
+
+
+def torch_names_by_chain():
+    return dist.all_reduce, dist.tensor.DTensor
+"""
+
+
+def test_torch_distributed_reexports_of_the_mesh_are_spmds_inside_and_torchs_outside(third_party):
+    # Hugging Face transformers builds its meshes with torch.distributed.init_device_mesh(...).
+    inside = importlib.import_module(third_party({"__init__.py": REEXPORTS}))
+    assert inside.DeviceMesh is spmd.tensor.DeviceMesh and inside.make_mesh is spmd.tensor.init_device_mesh
+    mesh_names = (spmd.tensor.init_device_mesh, spmd.tensor.DeviceMesh, spmd.tensor.init_device_mesh)
+    assert inside.meshes_by_chain() == mesh_names
+    assert inside.torch_names_by_chain() == (dist.all_reduce, spmd.tensor.DTensor)
+    assert inside.ProcessGroup is dist.ProcessGroup and inside.dist is dist  # the package itself stays torch's
+
+    outside = importlib.import_module(third_party({"__init__.py": REEXPORTS}, redirect=False))
+    assert outside.DeviceMesh is dist.DeviceMesh and outside.meshes_by_chain()[0] is dist.init_device_mesh
+
+
 def test_a_module_of_a_package_can_be_redirected_alone(third_party):
     # torchtitan's sharding layouts become placements in one module of spmd_types: spmd_types._dtensor.
     pkg = third_party({"__init__.py": OUTSIDE + "from . import placements\n", "placements.py": OUTSIDE}, redirect=False)

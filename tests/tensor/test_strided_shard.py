@@ -14,6 +14,7 @@ import torch
 
 import spmd.checkpoint as checkpoint
 from spmd.tensor import (
+    DeviceMesh,
     DTensor,
     Partial,
     Placement,
@@ -28,7 +29,13 @@ from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import _StridedShard, strided_shard_indices
 from spmd.tensor.redistribute.plan import plan_redistribute
 from spmd.tensor.sharding.vocabulary import ShardingError
-from spmd.tensor.spec import local_shape, local_shape_and_offset, normalize_placements, unstrided_placements
+from spmd.tensor.spec import (
+    compute_local_shape_and_global_offset,
+    local_shape,
+    local_shape_and_offset,
+    normalize_placements,
+    unstrided_placements,
+)
 from spmd.testing import DTensorTestBase, run_threaded, with_comms
 
 
@@ -139,6 +146,42 @@ def test_an_offset_is_refused_rather_than_wrong() -> None:
         assert unstrided_placements((S1, p, S0, Partial())) == (S1, R, R, Partial())
 
     run_threaded(body, 4)
+
+
+def as_torch_placements(placements) -> list:
+    names = pytest.importorskip("torch.distributed.tensor.placement_types")
+    return [
+        names._StridedShard(p.dim, split_factor=p.split_factor)
+        if isinstance(p, _StridedShard)
+        else names.Shard(p.dim)
+        if isinstance(p, Shard)
+        else names.Replicate()
+        for p in placements
+    ]
+
+
+@pytest.mark.parametrize("rows", [8, 7, 3])
+def test_compute_local_shape_and_global_offset_is_torchs(rows: int) -> None:
+    # transformers reads each parameter's piece with torch's _utils.compute_local_shape_and_global_offset.
+    reference = pytest.importorskip("torch.distributed.tensor._utils")._compute_local_shape_and_global_offset
+    layouts = [(S0, S1), (S0, S0), (SS(0, split_factor=2), S0), (R, SS(1, split_factor=2)), (S1, R)]
+
+    def body() -> list[tuple]:
+        mesh = init_device_mesh("cpu", (2, 2))
+        return [compute_local_shape_and_global_offset((rows, 5), mesh, layout) for layout in layouts]
+
+    for coordinate, ours in zip(itertools.product(range(2), range(2)), run_threaded(body, 4)):
+        for layout, got in zip(layouts, ours):
+            expected = reference((rows, 5), (2, 2), list(coordinate), as_torch_placements(layout))
+            assert got == expected, (layout, coordinate)
+
+
+def test_compute_local_shape_and_global_offset_outside_the_mesh_and_without_offsets() -> None:
+    def body() -> tuple:
+        mesh = DeviceMesh("cpu", [0, 1])
+        return compute_local_shape_and_global_offset((6, 4), mesh, [S0], skip_offset=True)
+
+    assert run_threaded(body, 3) == [((3, 4), ()), ((3, 4), ()), ((0,), ())]
 
 
 def test_plan_gathers_the_strided_dims_first_and_cuts_them_last() -> None:
