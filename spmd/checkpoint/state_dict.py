@@ -44,6 +44,7 @@ from spmd.checkpoint.optimizer_state import (
     state_for_optimizer,
 )
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.torch_objects import refuse_torch_object
 
 __all__ = [
     "FQNS_T",
@@ -67,6 +68,9 @@ ValueType = PrimitiveType | list[PrimitiveType] | tuple[PrimitiveType] | dict[st
 DictValueType = dict[str, ValueType]
 ListDictValueType = list[DictValueType]
 OptimizerStateType = dict[str, DictValueType | ListDictValueType]
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+"""Tensor types that are never torch's DTensor (no need to look further)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,8 @@ def _as_tuple(
 
 
 def _full_or_offloaded(state: Any, options: StateDictOptions) -> Any:
-    if options.full_state_dict:
+    if options.full_state_dict:  # gather_full would leave torch's DTensors sharded
+        _refuse_torch_dtensors(state, "a full state_dict (StateDictOptions(full_state_dict=True))", ())
         return gather_full(state, cpu_offload=options.cpu_offload)
     return offload_to_cpu(state) if options.cpu_offload else state
 
@@ -257,8 +262,25 @@ def _optimizer_state(
     return _full_or_offloaded(state, options)
 
 
+def _refuse_torch_dtensors(state: Any, where: str, path: tuple[Any, ...]) -> None:
+    """``MixedDTensorLibrariesError`` for a DTensor of torch.distributed.tensor anywhere in ``state``.
+
+    spmd's functions would take one for a plain tensor: copying it into an spmd DTensor fails deep in
+    ``load_state_dict``, and gathering a full state_dict would leave it sharded.
+    """
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _refuse_torch_dtensors(value, where, (*path, key))
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            _refuse_torch_dtensors(value, where, (*path, index))
+    elif isinstance(state, torch.Tensor) and type(state) not in _PLAIN_TENSORS and not isinstance(state, DTensor):
+        refuse_torch_object(state, where + "".join(f"[{key!r}]" for key in path))
+
+
 @torch.no_grad()
 def _load_model_state(model: nn.Module, given: dict[str, Any], options: StateDictOptions) -> _IncompatibleKeys:
+    _refuse_torch_dtensors(given, "set_model_state_dict (model_state_dict)", ())
     own = model.state_dict(keep_vars=True)
     key_of = canonical_keys(model, own, options.dsd_fqn_modifiers)
     target_of = {name: own[key] for name, key in key_of.items()}
@@ -292,6 +314,7 @@ def _by_canonical_name(model: nn.Module, state: dict[str, Any], options: StateDi
 def _load_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], options: StateDictOptions
 ) -> None:
+    _refuse_torch_dtensors(saved, "set_optimizer_state_dict (optim_state_dict)", ())
     init_optimizer_state(optimizer)
     modifiers = options.dsd_fqn_modifiers
 

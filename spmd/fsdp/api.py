@@ -20,6 +20,7 @@ from spmd.fsdp.module import _STATE_ATTR, FSDPModule, as_fsdp_module, fully_shar
 from spmd.fsdp.policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import EagerHook, FullyShardState
 from spmd.tensor import DeviceMesh, init_device_mesh
+from spmd.tensor.torch_objects import refuse_torch_object, torch_object_error
 
 __all__ = ["fully_shard", "fully_shard_state"]
 
@@ -118,7 +119,9 @@ def _resolve_mesh(
     """The mesh (None: a 1-d mesh over the world), its dp dim, and whether it is FSDP2's HSDP mesh."""
     mesh = _default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}")
+        raise torch_object_error(mesh, "fully_shard (mesh)") or TypeError(
+            f"fully_shard needs a DeviceMesh for mesh=, got {type(mesh).__name__}"
+        )
     hsdp = dp_mesh_dims is None and dp_mesh_dim is None and _is_hsdp_mesh(mesh)
     dp = 1 if hsdp else resolve_dp_mesh_dim(mesh, _dp_dim_name(dp_mesh_dims, dp_mesh_dim))
     return mesh, dp, hsdp
@@ -223,6 +226,8 @@ def _shard_owned_parameters(
         for name, param in list(current._parameters.items()):
             if param is None or id(param) in ignored:
                 continue
+            if type(param) is not nn.Parameter:  # spmd's DTensor, or torch's, which would pass for a plain one
+                refuse_torch_object(param, f"fully_shard (parameter {name!r} of {type(current).__name__})")
             first = by_id.get(id(param))
             if first is not None:  # gathered for each place that uses it
                 current.register_parameter(name, first.parameter)

@@ -13,6 +13,7 @@ from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor.dispatch import DISPATCHER
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.torch_objects import MixedDTensorLibrariesError
 
 # The one place late-bound hooks are filled (spmd/hooks.py says which and why).
 install_hooks(dispatch=DISPATCHER.dispatch, collective_check=COLLECTIVE_CHECK, from_local_in_graph=from_local_in_graph)
@@ -33,4 +34,5 @@ __all__ = [
     "full",
     "rand",
     "randn",
+    "MixedDTensorLibrariesError",
 ]

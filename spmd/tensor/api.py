@@ -22,6 +22,7 @@ from spmd.tensor.redistribute.collectives import (
     scatter_pieces_from,
 )
 from spmd.tensor.spec import DTensorSpec, TensorMeta, contiguous_strides, local_shape, normalize_placements
+from spmd.tensor.torch_objects import refuse_torch_object, torch_object_error
 
 PlacementList = Sequence[Placement]
 """One placement per mesh dim."""
@@ -30,11 +31,20 @@ __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "
 
 
 def _resolve_placements(
-    mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int
+    mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int, where: str
 ) -> tuple[Placement, ...]:
     if placements is None:
         placements = [Replicate()] * mesh.ndim
-    return normalize_placements(placements, mesh, ndim)
+    return normalize_placements(placements, mesh, ndim, where=where)
+
+
+def _require_mesh(mesh: object, where: str) -> None:
+    """A TypeError unless ``mesh`` is spmd's DeviceMesh (torch's gets its own error)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise torch_object_error(mesh, f"{where} (device_mesh)") or TypeError(
+            f"{where} takes a DeviceMesh as device_mesh, got {type(mesh).__name__}; "
+            'build one with init_device_mesh("cpu", (world_size,))'
+        )
 
 
 def distribute_tensor(
@@ -54,15 +64,18 @@ def distribute_tensor(
     Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
     """
     device_mesh = device_mesh if device_mesh is not None else current_mesh()
+    _require_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         return _already_distributed(tensor, device_mesh, placements)
+    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+        refuse_torch_object(tensor, "distribute_tensor (tensor)")
     if not tensor.is_leaf:
         raise RuntimeError(
             "distribute_tensor can only distribute leaf tensors (the result is a new leaf, so gradients would "
             f"not reach this tensor's graph, grad_fn={type(tensor.grad_fn).__name__}); distribute the leaf, or "
             "pass tensor.detach() to cut the graph on purpose"
         )
-    placements = _resolve_placements(device_mesh, placements, tensor.ndim)
+    placements = _resolve_placements(device_mesh, placements, tensor.ndim, "distribute_tensor (placements)")
     local = tensor.detach()
     if device_mesh.device_type != local.device.type and not local.is_meta:
         local = local.to(device_mesh.device_type)
@@ -85,7 +98,7 @@ def _already_distributed(tensor: DTensor, device_mesh: DeviceMesh, placements: P
             f"distribute_tensor got a DTensor on {tensor.device_mesh!r}; it cannot move it to a different "
             f"device mesh ({device_mesh!r}): redistribute on its own mesh, or build it on the other one"
         )
-    wanted = _resolve_placements(device_mesh, placements, tensor.ndim)
+    wanted = _resolve_placements(device_mesh, placements, tensor.ndim, "distribute_tensor (placements)")
     if tensor.placements != wanted:
         raise ValueError(
             f"distribute_tensor got a DTensor laid out as {tensor._spec}; it does not change it to a different "
@@ -158,6 +171,7 @@ def distribute_module(
     Without ``device_mesh``, the mesh entered with ``with mesh:`` is used.
     """
     device_mesh = device_mesh if device_mesh is not None else current_mesh()
+    _require_mesh(device_mesh, "distribute_module")
     if getattr(module, "_spmd_distributed", False):
         raise RuntimeError("distribute_module was already called on this module; call it once")
     for name, submodule in module.named_modules():
@@ -241,11 +255,13 @@ def _size_arg(size: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(int(s) for s in size)
 
 
-def _factory_mesh(device_mesh: DeviceMesh | None, layout: torch.layout) -> DeviceMesh:
+def _factory_mesh(device_mesh: DeviceMesh | None, layout: torch.layout, where: str) -> DeviceMesh:
     """The factories' mesh (the current one when not given); only strided tensors are offered."""
     if layout != torch.strided:
         raise NotImplementedError(f"DTensor factories make strided tensors only; got layout={layout}")
-    return device_mesh if device_mesh is not None else current_mesh()
+    device_mesh = device_mesh if device_mesh is not None else current_mesh()
+    _require_mesh(device_mesh, where)
+    return device_mesh
 
 
 def _factory(
@@ -258,11 +274,12 @@ def _factory(
     layout: torch.layout,
     requires_grad: bool,
     zero_partials: bool,
+    name: str,
 ) -> DTensor:
-    device_mesh = _factory_mesh(device_mesh, layout)
+    device_mesh = _factory_mesh(device_mesh, layout, name)
     shape = _size_arg(size)
     dtype = dtype or torch.get_default_dtype()
-    placements = _resolve_placements(device_mesh, placements, len(shape))
+    placements = _resolve_placements(device_mesh, placements, len(shape), f"{name} (placements)")
     coordinate = device_mesh.get_coordinate()
     # A rank outside the mesh holds an empty piece.
     piece_shape = (0,) if coordinate is None else local_shape(shape, device_mesh, placements, coordinate)
@@ -279,7 +296,8 @@ def zeros(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = t
           placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of zeros with global shape ``size``."""
     return _factory(lambda s, dt: torch.zeros(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False,
+                    name="zeros")
 
 
 def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
@@ -287,7 +305,8 @@ def ones(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = to
          placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of ones with global shape ``size``."""
     return _factory(lambda s, dt: torch.ones(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True,
+                    name="ones")
 
 
 def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
@@ -295,7 +314,8 @@ def empty(*size: Any, dtype: torch.dtype | None = None, layout: torch.layout = t
           placements: Sequence[Placement] | None = None) -> DTensor:
     """An uninitialised DTensor with global shape ``size``."""
     return _factory(lambda s, dt: torch.empty(s, dtype=dt), size, device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=False,
+                    name="empty")
 
 
 def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = None,
@@ -303,18 +323,20 @@ def full(size: Sequence[int], fill_value: Any, *, dtype: torch.dtype | None = No
          device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor filled with ``fill_value`` with global shape ``size``."""
     return _factory(lambda s, dt: torch.full(s, fill_value, dtype=dt), (size,), device_mesh=device_mesh,
-                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True)
+                    placements=placements, dtype=dtype, layout=layout, requires_grad=requires_grad, zero_partials=True,
+                    name="full")
 
 
 def _random(fill: str, size: tuple[Any, ...], device_mesh: DeviceMesh | None,
             placements: Sequence[Placement] | None, dtype: torch.dtype | None, layout: torch.layout,
             requires_grad: bool) -> DTensor:
-    device_mesh = _factory_mesh(device_mesh, layout)
+    name = "rand" if fill == "uniform_" else "randn"
+    device_mesh = _factory_mesh(device_mesh, layout, name)
     from spmd.tensor.random import draw_local
 
     shape = _size_arg(size)
     dtype = dtype or torch.get_default_dtype()
-    placements = _resolve_placements(device_mesh, placements, len(shape))
+    placements = _resolve_placements(device_mesh, placements, len(shape), f"{name} (placements)")
     # Each rank draws its piece of the global tensor a single device would draw, with no
     # communication (the whole tensor in "torch" mode, only its tiles in "counter" mode).
     if device_mesh.get_coordinate() is None:  # a rank outside the mesh draws nothing and holds an empty piece

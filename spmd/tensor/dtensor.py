@@ -51,6 +51,7 @@ from spmd.tensor.spec import (
     contiguous_strides,
     normalize_placements,
 )
+from spmd.tensor.torch_objects import refuse_torch_object, torch_object_error
 
 __all__ = ["DTensor", "DataDependentShapeError", "implicit_replication"]
 
@@ -242,7 +243,7 @@ class DTensor(torch.Tensor):
         if device_mesh is None:
             device_mesh = current_mesh()
         if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(
+            raise torch_object_error(device_mesh, "DTensor.from_local (device_mesh)") or TypeError(
                 f"from_local takes a DeviceMesh, got {type(device_mesh).__name__}; "
                 'build one with init_device_mesh("cpu", (world_size,))'
             )
@@ -281,13 +282,14 @@ class DTensor(torch.Tensor):
         gradient still comes back in this DTensor's dtype).
         """
         if device_mesh is not None and device_mesh != self._spec.mesh:
+            refuse_torch_object(device_mesh, "DTensor.redistribute (device_mesh)")
             raise ValueError(
                 f"cannot redistribute from {self._spec.mesh} to another mesh {device_mesh}; "
                 "redistribute only changes placements on the same mesh"
             )
         if placements is None:
             raise ValueError("redistribute needs placements, e.g. [Replicate()]")
-        target = normalize_placements(placements, self._spec.mesh, self.ndim)
+        target = normalize_placements(placements, self._spec.mesh, self.ndim, where="DTensor.redistribute (placements)")
         if forward_dtype == self.dtype:
             forward_dtype = None
         if backward_dtype == self.dtype:
@@ -345,10 +347,14 @@ def from_local_eager(
     Under torch.compile this runs inside the traced call, where the mesh's properties can be read
     (Dynamo cannot read a property of a mesh it received from outside the region).
     """
+    if type(local_tensor) is not torch.Tensor:  # torch's DTensor would pass for a plain local tensor
+        refuse_torch_object(local_tensor, "DTensor.from_local (local_tensor)")
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
-    normalized = normalize_placements(placements, device_mesh, local_tensor.ndim)
-    grads = None if grad_placements is None else normalize_placements(grad_placements, device_mesh, local_tensor.ndim)
+    normalized = normalize_placements(placements, device_mesh, local_tensor.ndim, where="DTensor.from_local (placements)")
+    grads = None if grad_placements is None else normalize_placements(
+        grad_placements, device_mesh, local_tensor.ndim, where="DTensor.from_local (grad_placements)"
+    )
     return _FromLocal.apply(local_tensor, device_mesh, normalized, run_check, shape, stride, grads)  # type: ignore[no-untyped-call]
 
 

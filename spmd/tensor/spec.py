@@ -20,6 +20,7 @@ from spmd.tensor.placement import (
     shard_offsets,
     shard_sizes,
 )
+from spmd.tensor.torch_objects import refuse_torch_object, refuse_torch_objects, torch_object_error
 
 __all__ = [
     "TensorMeta",
@@ -312,12 +313,22 @@ def unstrided_placements(placements: Sequence[Placement]) -> tuple[Placement, ..
     return tuple(plain)
 
 
-def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tensor_ndim: int) -> tuple[Placement, ...]:
-    """Check a user's placements against the mesh and tensor; make negative shard dims positive."""
+def normalize_placements(
+    placements: Sequence[Placement], mesh: DeviceMesh, tensor_ndim: int, *, where: str = "spmd.tensor"
+) -> tuple[Placement, ...]:
+    """Check a user's placements against the mesh and tensor; make negative shard dims positive.
+
+    ``where`` names the entry point (and argument) for the error about torch's placements.
+    """
     if isinstance(placements, Placement):
         raise TypeError(f"placements must be a sequence, e.g. [{placements}], not a single placement")
-    placements = tuple(placements)
+    try:
+        placements = tuple(placements)
+    except TypeError:  # a single placement of torch's is not iterable either
+        refuse_torch_object(placements, where)
+        raise
     if len(placements) != mesh.ndim:
+        refuse_torch_objects(placements, where)
         raise ValueError(
             f"{len(placements)} placements {format_placements(placements)} given for a {mesh.ndim}-d mesh "
             f"{mesh}; placements and the mesh's dims must have the same length: give exactly one "
@@ -326,7 +337,9 @@ def normalize_placements(placements: Sequence[Placement], mesh: DeviceMesh, tens
     result: list[Placement] = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"{p!r} is not a Placement; use Shard(dim), Replicate() or Partial()")
+            raise torch_object_error(p, where) or TypeError(
+                f"{p!r} is not a Placement; use Shard(dim), Replicate() or Partial()"
+            )
         if isinstance(p, Shard):
             if not -tensor_ndim <= p.dim < tensor_ndim or tensor_ndim == 0:
                 hint = f"use a dim in [{-tensor_ndim}, {tensor_ndim - 1}]" if tensor_ndim else "a 0-d tensor can only be replicated or partial"

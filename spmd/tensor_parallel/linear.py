@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
+from spmd.tensor.torch_objects import refuse_torch_object
 from spmd.tensor_parallel.layouts import (
     FirstInputLayout,
     distribute_parameters,
@@ -32,6 +33,7 @@ __all__ = ["ColwiseParallel", "RowwiseParallel"]
 
 def _check_layout(style: ParallelStyle, name: str, value: object) -> None:
     if value is not None and not isinstance(value, Placement):
+        refuse_torch_object(value, f"{type(style).__name__}({name}=...)")
         raise TypeError(
             f"{type(style).__name__}({name}=...) takes one Placement such as Shard(-1) or Replicate(), got {value!r}"
         )

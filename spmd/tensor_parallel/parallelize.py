@@ -21,6 +21,7 @@ from torch import nn
 
 from spmd.tensor import DeviceMesh
 from spmd.tensor.device_mesh.mesh import current_mesh
+from spmd.tensor.torch_objects import torch_object_error
 from spmd.tensor_parallel.layouts import resolve_tp_mesh_dim
 from spmd.tensor_parallel.style import ParallelStyle, UnsupportedModuleError
 
@@ -57,13 +58,15 @@ def parallelize_module(
         _apply_style(parallelize_plan, module, "", "", device_mesh, src_data_rank, tp)
         return module
     if not isinstance(parallelize_plan, Mapping):
-        raise TypeError(
+        raise torch_object_error(parallelize_plan, "parallelize_module (parallelize_plan)") or TypeError(
             "parallelize_plan must be a ParallelStyle or a dict of submodule names to ParallelStyles, "
             f"got {type(parallelize_plan).__name__}"
         )
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):
-            raise TypeError(f"parallelize_plan[{key!r}] must be a ParallelStyle such as ColwiseParallel(), got {style!r}")
+            raise torch_object_error(style, f"parallelize_module (parallelize_plan[{key!r}])") or TypeError(
+                f"parallelize_plan[{key!r}] must be a ParallelStyle such as ColwiseParallel(), got {style!r}"
+            )
         matches = resolve_plan_key(module, key)
         if not matches:  # a warning, as in torch: a plan shared by model variants may name optional modules
             warnings.warn(_no_match_message(module, key), UserWarning, stacklevel=2)
@@ -94,7 +97,9 @@ def _matching_children(level: list[tuple[str, nn.Module]], pattern: str) -> list
 
 def _check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize_module needs a DeviceMesh, got {type(mesh).__name__}")
+        raise torch_object_error(mesh, "parallelize_module (device_mesh)") or TypeError(
+            f"parallelize_module needs a DeviceMesh, got {type(mesh).__name__}"
+        )
 
 
 def _apply_style(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from spmd.tensor import DeviceMesh, Placement
+from spmd.tensor.torch_objects import refuse_torch_objects
 from spmd.tensor_parallel.layouts import as_dtensor, relayout, resolve_tp_mesh_dim, resolve_use_local
 from spmd.tensor_parallel.style import ParallelStyle
 
@@ -31,6 +32,7 @@ def _as_tuple(style: str, name: str, layouts: Layouts) -> tuple[Placement | None
         return (layouts,)
     if isinstance(layouts, (tuple, list)) and all(p is None or isinstance(p, Placement) for p in layouts):
         return tuple(layouts)
+    refuse_torch_objects(layouts if isinstance(layouts, (tuple, list)) else (layouts,), f"{style}({name}=...)")
     raise TypeError(f"{style}({name}=...) takes a Placement or a tuple of Placement/None, got {layouts!r}")
 
 
@@ -108,6 +110,8 @@ class PrepareModuleInput(ParallelStyle):
         object.__setattr__(self, "input_layouts", given)
         object.__setattr__(self, "desired_input_layouts", desired)
         kwargs, desired_kwargs = dict(self.input_kwarg_layouts or {}), dict(self.desired_input_kwarg_layouts or {})
+        refuse_torch_objects(kwargs.values(), f"{name}(input_kwarg_layouts=...)")
+        refuse_torch_objects(desired_kwargs.values(), f"{name}(desired_input_kwarg_layouts=...)")
         unknown = sorted(set(desired_kwargs) - set(kwargs))
         if unknown:
             raise ValueError(f"{name}: desired_input_kwarg_layouts names {unknown}, which input_kwarg_layouts lacks")

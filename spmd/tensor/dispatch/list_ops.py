@@ -31,6 +31,7 @@ from spmd.tensor.sharding.propagator import ShardingPropagator
 from spmd.tensor.sharding.registry import REGISTRY, OpEntry
 from spmd.tensor.sharding.vocabulary import Decision, OpCall, ShardingError
 from spmd.tensor.spec import DTensorSpec, has_strided
+from spmd.tensor.torch_objects import refuse_torch_object, refuse_torch_objects
 from spmd.tensor.trace import STATE, log_decision, log_decomposition, op_scope
 
 __all__ = ["ListOps"]
@@ -56,6 +57,7 @@ def _check_lists(op: Any, leaves: list[Any], names: list[str], shape: tuple[Any,
         (dtensors if isinstance(a, DTensor) else plain).append(i - start[name])
     for name, (dtensors, plain) in by_argument.items():
         if dtensors and plain:
+            refuse_torch_objects((leaves[start[name] + i] for i in plain), f"{op} (list argument {name!r})")
             raise RuntimeError(
                 f"{op}: list argument {name!r} mixes DTensors (positions {dtensors}) and plain tensors "
                 f"(positions {plain}); make every tensor of the list a DTensor (distribute_tensor(t, mesh, "
@@ -190,6 +192,7 @@ class ListOps:
             if isinstance(a, DTensor):
                 dtensor_leaves.append(marked[k].index)
             elif isinstance(a, torch.Tensor) and a.ndim != 0:
+                refuse_torch_object(a, f"{op} ({names[marked[k].index]!r} at list position {index})")
                 raise RuntimeError(
                     f"{op} got a plain torch.Tensor of shape {list(a.shape)} in its {names[marked[k].index]!r} "
                     f"argument at list position {index}, next to DTensors; convert it with "

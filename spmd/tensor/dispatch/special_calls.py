@@ -17,6 +17,7 @@ from spmd.tensor.sharding.call import unflatten_call
 from spmd.tensor.sharding.entry import OpEntry
 from spmd.tensor.sharding.vocabulary import Decision
 from spmd.tensor.spec import DTensorSpec, TensorMeta
+from spmd.tensor.torch_objects import refuse_torch_object
 
 __all__ = [
     "LAYOUT_NEUTRAL_OPS",
@@ -113,6 +114,8 @@ def replicate_plain_tensors(
     leaves = list(leaves)
     for i, a in enumerate(leaves):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim != 0:
+            if type(a) is not torch.Tensor:  # torch's DTensor must not pass for a plain tensor
+                refuse_torch_object(a, f"{entry.op} (an operand beside spmd's DTensors)")
             if a.numel() != 1 and not plain_tensors_allowed():
                 # Not TypeError: Python would turn that into "unsupported operand" for `x + t`.
                 raise RuntimeError(

@@ -19,8 +19,11 @@ from spmd.tensor.device_mesh.mesh import DeviceMesh
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placement import Placement, format_placements
 from spmd.tensor.spec import normalize_placements
+from spmd.tensor.torch_objects import refuse_torch_object, torch_object_error
 
 __all__ = ["local_map"]
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 TensorPlacements = Sequence[Placement] | None
 """The placements of one tensor (one per mesh dim), or None for a value that is not a tensor."""
@@ -66,6 +69,13 @@ def local_map(
         mm = local_map(local_mm, out_placements=[Replicate()], in_placements=([Shard(1)], [Shard(0)]))
         y = mm(w_dt, x_dt)  # a Replicate DTensor equal to w @ x
     """
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise torch_object_error(device_mesh, "local_map (device_mesh)") or TypeError(
+            f"local_map takes a DeviceMesh as device_mesh, got {type(device_mesh).__name__}"
+        )
+    for name, entries in (("out_placements", out_placements), ("in_placements", in_placements),
+                          ("in_grad_placements", in_grad_placements)):
+        _refuse_torch_placements(name, entries)
     if func is None:  # used as @local_map(...): the same options, the function comes next
         options = (out_placements, in_placements, in_grad_placements, device_mesh)
         return lambda f: local_map(f, *options, redistribute_inputs=redistribute_inputs)
@@ -93,6 +103,8 @@ def _to_local_leaves(
     local_leaves: list[Any] = []
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, DTensor):
+            if isinstance(leaf, torch.Tensor) and type(leaf) not in _PLAIN_TENSORS:  # torch's DTensor is not plain
+                refuse_torch_object(leaf, f"local_map (argument {index})")
             if in_placements is not None and in_placements[index] is not None and not isinstance(leaf, torch.Tensor):
                 raise AssertionError(
                     f"local_map: argument {index} is a {type(leaf).__name__}, not a tensor, so its "
@@ -109,6 +121,15 @@ def _to_local_leaves(
             grad_placements = _placements_of(leaf, index, in_grad_placements[index], "in_grad_placements")
         local_leaves.append(leaf.to_local(grad_placements=grad_placements))
     return local_leaves, first_mesh
+
+
+def _refuse_torch_placements(name: str, entries: Any) -> None:
+    """torch's placements anywhere in one of local_map's placement arguments (checked once, when wrapping)."""
+    if isinstance(entries, (list, tuple)):
+        for entry in entries:
+            _refuse_torch_placements(name, entry)
+    elif entries is not None and not isinstance(entries, Placement):
+        refuse_torch_object(entries, f"local_map ({name})")
 
 
 def _check_count(name: str, entries: PerArgument, expected: int, what: str) -> None:
