@@ -9,7 +9,8 @@
 Modules, one job each::
 
   policy.py  MixedPrecisionPolicy, OffloadPolicy, DataParallelMeshDims: the options, as torch spells them
-  layout.py  which tensor dim dp shards, and turning parameters into sharded DTensors
+  layout.py  which tensor dim dp shards (FSDP2's dim 0; shard_first_free_dim: spmd's former choice),
+             and turning parameters into sharded DTensors
   flat.py    one all_gather (and, in backward, one reduce_scatter) for all of a group's shards
   state.py   gather before forward/backward, free after forward, shadow the shards meanwhile; TrainingState
   module.py  FSDPModule: the class a sharded module becomes, and its methods
@@ -17,7 +18,7 @@ Modules, one job each::
 """
 
 from spmd.fsdp.api import fully_shard
-from spmd.fsdp.layout import ShardedParameter, dp_shard_dim
+from spmd.fsdp.layout import ShardedParameter, dp_shard_dim, shard_first_free_dim
 from spmd.fsdp.module import (
     FSDPModule,
     UnshardHandle,
@@ -41,5 +42,6 @@ __all__ = [
     "fully_shard",
     "fully_shard_state",
     "register_fsdp_forward_method",
+    "shard_first_free_dim",
     "share_comm_ctx",
 ]

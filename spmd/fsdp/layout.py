@@ -1,30 +1,36 @@
 """Where a parameter's shards live under fully_shard, and what forward computes with once gathered.
 
+Which tensor dim dp cuts is torch's FSDP2's choice by default: dim 0 (``shard_placement_fn`` may
+pick another). When a later mesh dim (tp) cuts that dim too, dp cuts each tp piece, so its
+placement is ``_StridedShard(0, split_factor=<tp ranks cutting dim 0>)``, as FSDP2 lays it out: the
+same placements, local shapes and checkpoint chunks as on torch. ``shard_first_free_dim`` is the
+former spmd default (the first dim no other mesh dim cuts, or whole over dp), for whoever wants
+no ``_StridedShard``.
+
 Two layouts, told apart by the mesh the parameter already lives on:
 
   same mesh (spmd's)   ``parallelize_module(model, mesh, plan)`` on the n-d mesh, then
-                       ``fully_shard(block, mesh=mesh)``: the parameter stays on that mesh, Replicate()
-                       over dp becomes ``Shard(k)`` with ``k`` the first tensor dim no other mesh dim
-                       cuts and long enough for every dp rank (so un-sharding is one plain
-                       all_gather); no such dim (a scalar, a tp-sharded bias): it stays whole over
-                       dp. The gathered copy is that DTensor with Replicate() over dp, inputs are
-                       DTensors sharded over dp and the loss is the global one, so gradients are
-                       summed over dp.
+                       ``fully_shard(block, mesh=mesh)``: the parameter stays on that mesh,
+                       Replicate() over dp becomes the dp cut (torch's SPMD-mesh placement). The
+                       gathered copy is that DTensor with Replicate() over dp, inputs are DTensors
+                       sharded over dp and the loss is the global one, so gradients are summed over dp.
   sibling sub-meshes   torchtitan's: ``parallelize_module(model, world["tp"], plan)`` then
   (FSDP2's)            ``fully_shard(block, mesh=world["dp"])``. The sharded parameter is a DTensor on
-                       the root mesh over both dims: ``Shard(k)`` over dp with ``k`` the first dim tp
-                       does not cut (torch cuts dim 0, a ``_StridedShard`` when tp cuts it too: ask
-                       for that with ``shard_placement_fn``), tp kept. The gathered copy
+                       the root mesh over both dims, dp's cut and tp's placements. The gathered copy
                        is the DTensor on the tp sub-mesh; each rank's batch is its own plain tensor,
                        so each dp rank's gradient is its contribution: summed, then divided by the
                        gradient divide factor (dp size: the mean, as FSDP2 does).
 
+In both, this rank's shard is its dp piece (``torch.chunk`` semantics: uneven, maybe empty) of its
+local (tp) tensor, so un-sharding is one plain all_gather of the local pieces whatever the placement.
+
 HSDP (FSDP2's 2-d dp mesh, replicate dim first): a plain parameter becomes a DTensor on that mesh,
-``(Replicate(), Shard(k))``; its gathered copy is a plain tensor and each rank's batch its own, as in
+``(Replicate(), Shard(0))``; its gathered copy is a plain tensor and each rank's batch its own, as in
 FSDP2's layout.
 
-A plain parameter on a 1-d mesh is cut the spmd way; its gathered copy is a plain tensor, or a
+A plain parameter on a 1-d mesh is cut the same way; its gathered copy is a plain tensor, or a
 DTensor Replicate() over the mesh when the module's inputs are DTensors on it (the global loss).
+A 0-d parameter stays whole over dp (FSDP2 refuses one).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "ShardedParameter",
     "dp_shard_dim",
     "resolve_dp_mesh_dim",
+    "shard_first_free_dim",
     "shard_parameter",
 ]
 
@@ -54,7 +61,9 @@ DP_MESH_DIM_NAME = "dp"
 _MANAGED_ATTR = "_spmd_fully_shard_managed"
 """Set on the parameters fully_shard made, so that a second call on a submodule is caught."""
 
-ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+ShardPlacementFn = Callable[[nn.Parameter], Shard | Replicate | None]
+"""``shard_placement_fn``: ``Shard(k)`` for dp to cut dim k, None for FSDP2's default (dim 0), and
+(spmd's, not torch's) ``Replicate()`` to keep the parameter whole over dp."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +125,10 @@ def resolve_dp_mesh_dim(mesh: DeviceMesh, dp_mesh_dim: int | str | None) -> int:
 
 
 def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, dp_size: int) -> int | None:
-    """The tensor dim the dp mesh dim shards in the same-mesh layout, or None to keep it whole over dp."""
+    """The first tensor dim that no mesh dim but ``dp`` cuts and that has a row for every dp rank; None if none.
+
+    spmd's former default (``shard_first_free_dim``); ``dp`` -1 counts every mesh dim's cut.
+    """
     if dp_size == 1:
         return None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
     taken = {p.dim for d, p in enumerate(placements) if d != dp and _is_shard_like(p)}  # _StridedShard too
@@ -124,6 +136,37 @@ def dp_shard_dim(shape: torch.Size, placements: tuple[Placement, ...], dp: int, 
         if k not in taken and size >= dp_size:
             return k
     return None
+
+
+def shard_first_free_dim(dp_mesh: DeviceMesh | int) -> ShardPlacementFn:
+    """A ``shard_placement_fn``: dp cuts the first dim no other mesh dim cuts, else the parameter stays whole.
+
+    spmd's default before it took FSDP2's: a column-wise weight (tp cuts dim 0) becomes
+    ``(Shard(1), Shard(0))`` instead of ``(_StridedShard(0, sf=tp), Shard(0))``, and a tp-sharded bias
+    stays whole over dp (its gradient all-reduced). No ``_StridedShard`` appears, so no op ever sees
+    one; placements, local shapes and checkpoint chunks then differ from torch's. ``dp_mesh`` (the
+    1-d dp mesh, or its size) decides which dims are long enough: one row for every dp rank.
+
+    >>> fully_shard(block, mesh=world["dp"], shard_placement_fn=shard_first_free_dim(world["dp"]))  # doctest: +SKIP
+    """
+    if isinstance(dp_mesh, DeviceMesh):
+        if dp_mesh.ndim != 1:
+            raise ValueError(
+                f"shard_first_free_dim takes the 1-d dp mesh or its size, got the {dp_mesh.ndim}-d {dp_mesh}; "
+                'pass world["dp"] (or world["dp"].size())'
+            )
+        dp_size = dp_mesh.size()
+    else:
+        dp_size = dp_mesh
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"shard_first_free_dim takes a dp mesh or a positive dp size, got {dp_mesh!r}")
+
+    def placement(param: nn.Parameter) -> Shard | Replicate:
+        placements = tuple(param.placements) if isinstance(param, DTensor) else ()
+        k = dp_shard_dim(param.shape, placements, -1, dp_size)
+        return Replicate() if k is None else Shard(k)
+
+    return placement
 
 
 def shard_parameter(
@@ -147,16 +190,16 @@ def shard_parameter(
             "list holding this module); call fully_shard once per module, on the submodules (blocks) "
             "before their parent, or leave it out with ignored_params="
         )
-    requested = _requested_dim(shard_placement_fn, param, where)
+    dim = _dp_dim(shard_placement_fn, param, where)
     if hsdp and isinstance(param, DTensor):
         raise NotImplementedError(
             f"fully_shard: HSDP of {where}, a DTensor on {param.device_mesh}, is not supported by spmd (HSDP "
             "with tensor parallelism); HSDP takes plain parameters, or shard over one dp dim"
         )
     if isinstance(param, DTensor) and param.device_mesh != mesh:
-        sharded = _shard_on_sibling_mesh(module, name, param, mesh, where, requested)
+        sharded = _shard_on_sibling_mesh(module, name, param, mesh, where, dim)
     else:
-        sharded = _shard_on_same_mesh(module, name, param, mesh, dp, where, requested)
+        sharded = _shard_on_same_mesh(module, name, param, mesh, dp, where, dim)
         if hsdp:  # FSDP2's: each rank's own batch, a plain gathered copy
             sharded = replace(sharded, gathered=None, global_loss=False)
     setattr(sharded.parameter, _MANAGED_ATTR, True)
@@ -164,14 +207,18 @@ def shard_parameter(
     return sharded
 
 
-def _requested_dim(fn: ShardPlacementFn | None, param: nn.Parameter, where: str) -> int | None:
-    if fn is None:
-        return None
-    placement = fn(param)
+def _dp_dim(fn: ShardPlacementFn | None, param: nn.Parameter, where: str) -> int | None:
+    """The tensor dim dp cuts, None for whole over dp: ``fn``'s answer, else FSDP2's dim 0 (a 0-d one: whole)."""
+    placement = fn(param) if fn is not None else None
     if placement is None:
+        return 0 if param.ndim else None
+    if type(placement) is Replicate:
         return None
     if type(placement) is not Shard:
-        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {where}; return a Shard or None")
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for {where}; return a Shard, None (FSDP2's "
+            "default, dim 0) or Replicate() (whole over dp)"
+        )
     ndim = param.ndim
     if not -ndim <= placement.dim < ndim:
         raise ValueError(f"fully_shard: shard_placement_fn returned {placement} for the {ndim}-d {where}")
@@ -183,8 +230,23 @@ def _check_placements(placements: tuple[Placement, ...], where: str) -> None:
         raise ValueError(f"fully_shard: parameter {where} is laid out {placements}; a parameter cannot be Partial")
 
 
+def _dp_placement(k: int | None, split: int) -> Placement:
+    """dp's placement when it cuts dim ``k`` (None: none) inside ``split`` pieces that later mesh dims cut it into."""
+    if k is None:
+        return Replicate()
+    return _StridedShard(k, split_factor=split) if split > 1 else Shard(k)
+
+
+def _dp_piece(local: torch.Tensor, k: int | None, n: int, rank: int) -> torch.Tensor:
+    """This dp rank's piece of its local tensor along ``k`` (``torch.chunk``'s sizes), a copy of its own."""
+    if k is None:
+        return local.clone()
+    sizes = shard_sizes(local.size(k), n)
+    return local.narrow(k, sum(sizes[:rank]), sizes[rank]).clone()
+
+
 def _shard_on_same_mesh(
-    module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh, dp: int, where: str, requested: int | None
+    module: nn.Module, name: str, param: nn.Parameter, mesh: DeviceMesh, dp: int, where: str, k: int | None
 ) -> ShardedParameter:
     """spmd's layout: the parameter (plain, or a DTensor on ``mesh``) stays on ``mesh``, cut over dp."""
     if isinstance(param, DTensor):
@@ -197,26 +259,21 @@ def _shard_on_same_mesh(
             )
     else:
         placements = tuple(Replicate() for _ in range(mesh.ndim))
-    if requested is not None:
-        taken = {p.dim for d, p in enumerate(placements) if d != dp and _is_shard_like(p)}
-        if requested in taken:
-            raise ValueError(
-                f"fully_shard: shard_placement_fn asks dp to cut dim {requested} of {where}, which another "
-                f"mesh dim of {placements} already cuts; pick another dim, or tensor-parallelise on the tp "
-                'sub-mesh (parallelize_module(model, mesh["tp"], plan)) and pass fully_shard mesh=mesh["dp"]'
-            )
-    if mesh.size(dp) == 1:
-        k = None  # nothing to shard; a Shard over a mesh dim of one rank only costs copies
-    elif requested is not None:
-        k = requested
-    else:
-        k = dp_shard_dim(param.shape, placements, dp, mesh.size(dp))
-    sharded_placements = tuple(Shard(k) if d == dp and k is not None else p for d, p in enumerate(placements))
+    # the later mesh dims cutting dim k: dp cuts each of their pieces (right to left, torch's _StridedShard)
+    split = 1
+    for d in range(dp + 1, mesh.ndim):
+        p = placements[d]
+        if k is not None and _is_shard_like(p) and p.dim == k:
+            split *= mesh.size(d)
+    sharded_placements = tuple(_dp_placement(k, split) if d == dp else p for d, p in enumerate(placements))
     with torch.no_grad():
         detached = param.detach()
         if isinstance(detached, DTensor):
-            local = detached.redistribute(mesh, sharded_placements)  # R -> S(k): a local cut, no traffic
             gathered_shape = tuple(detached._local_tensor.shape)
+            piece = _dp_piece(detached._local_tensor, k, mesh.size(dp), mesh.get_local_rank(dp))
+            local = DTensor.from_local(
+                piece, mesh, sharded_placements, shape=tuple(param.shape), stride=tuple(param.stride())
+            )
         else:
             local = distribute_tensor(detached, mesh, sharded_placements, src_data_rank=None)
             gathered_shape = tuple(detached.shape)
@@ -234,7 +291,7 @@ def _major_first(layout: DimLayout) -> tuple[int, int]:
 
 
 def _shard_on_sibling_mesh(
-    module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, where: str, requested: int | None
+    module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, where: str, k: int | None
 ) -> ShardedParameter:
     """FSDP2's layout: a DTensor on the tp sub-mesh becomes a DTensor on the root mesh, cut over dp too."""
     tp_mesh = param.device_mesh
@@ -261,27 +318,18 @@ def _shard_on_sibling_mesh(
     _check_placements(placements, where)
     n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
     gathered_local = param._local_tensor
-    # By default the first dim tp does not cut (so the optimizer's elementwise ops stay local, where a
-    # _StridedShard would be gathered first); none long enough: whole over dp, its gradient all-reduced.
-    k = requested if requested is not None else dp_shard_dim(gathered_local.shape, placements, -1, n)
-    split = 1  # the later mesh dims cutting dim k: dp cuts right to left then (torch's _StridedShard)
+    split = 1  # the later mesh dims cutting dim k: dp cuts each of their pieces (torch's _StridedShard)
     for d in order[order.index(0) + 1 :]:
         p = placements[d - 1]
         if k is not None and _is_shard_like(p) and p.dim == k:
             split *= tp_mesh.size(d - 1)
-    dp_placement: Placement = (
-        Replicate() if k is None else (_StridedShard(k, split_factor=split) if split > 1 else Shard(k))
-    )
+    dp_placement = _dp_placement(k, split)
     full_layouts, full_names = tuple(layouts[d] for d in order), tuple(names[d] for d in order)
     same_as_root = [canonical(layout) for layout in full_layouts] == [canonical(layout) for layout in root._layout]
     full_mesh = root if same_as_root else root._slice(full_layouts, full_names)  # the root: under its names
     full_placements = tuple(dp_placement if d == 0 else placements[d - 1] for d in order)
     with torch.no_grad():
-        if k is None:
-            piece = gathered_local.clone()
-        else:
-            sizes = shard_sizes(gathered_local.size(k), n)
-            piece = gathered_local.narrow(k, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
+        piece = _dp_piece(gathered_local, k, n, dp_rank)
         sharded_local = DTensor.from_local(
             piece, full_mesh, full_placements, shape=tuple(param.shape), stride=tuple(param.stride())
         )

@@ -27,6 +27,7 @@ from spmd.fsdp import (
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
+    shard_first_free_dim,
 )
 from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
@@ -113,32 +114,36 @@ def train_fsdp2(
     }
 
 
-def tp_then_fsdp2(flattened: bool) -> dict[str, Any]:
+def tp_then_fsdp2(variant: str) -> dict[str, Any]:
     world = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(build_model(), world["tp"], FSDP2_TP_PLAN)
     seen: list[torch.Tensor] = []
     model.layers[0].attn.q.register_forward_hook(lambda mod, args, out: seen.append(mod.weight))
-    # torchtitan names its dp mesh by flattening (dp_shard_cp), even when it spans one dim
-    dp_mesh = world["dp"]._flatten("dp_shard_cp") if flattened else world["dp"]
-    # and asks for torch's default dim: Shard(0) (a _StridedShard where tp cuts dim 0 too)
-    options = {"shard_placement_fn": lambda param: Shard(0)} if flattened else {}
+    # torchtitan names its dp mesh by flattening (dp_shard_cp), even when it spans one dim,
+    # and asks for torch's default dim by name: Shard(0) (a _StridedShard where tp cuts dim 0 too)
+    dp_mesh = world["dp"]._flatten("dp_shard_cp") if variant == "flattened-dp" else world["dp"]
+    options: dict[str, Any] = {
+        "dp": {},
+        "flattened-dp": {"shard_placement_fn": lambda param: Shard(0)},
+        "first-free-dim": {"shard_placement_fn": shard_first_free_dim(dp_mesh)},
+    }[variant]
     result = train_fsdp2(model, world, dp_mesh=dp_mesh, **options)
     result["gathered"] = (seen[0].device_mesh.mesh_dim_names, seen[0].placements)
     return result
 
 
-@pytest.mark.parametrize("flattened", [False, True], ids=["dp", "flattened-dp"])
-def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(flattened: bool) -> None:
+@pytest.mark.parametrize("variant", ["dp", "flattened-dp", "first-free-dim"])
+def test_tp_on_the_tp_sub_mesh_and_fully_shard_on_the_dp_sub_mesh(variant: str) -> None:
     """The sharded parameter lives on the 2-d world mesh; forward computes with the tp sub-mesh's DTensor."""
-    per_rank = run_threaded(tp_then_fsdp2, 4, flattened)
+    per_rank = run_threaded(tp_then_fsdp2, 4, variant)
     check(per_rank, build_model(), DP)
     result = per_rank[0]
     assert result["is_fsdp_module"] and result["grads_like_params"]
     assert result["meshes"]["layers.0.attn.q.weight"] == ("dp", "tp")
-    if flattened:  # dp cuts dim 0, which tp (a later mesh dim) cuts too: right to left, as torch lays it out
+    if variant != "first-free-dim":  # dp cuts dim 0, which tp (a later mesh dim) cuts too: right to left, as torch
         assert result["placements"]["layers.0.attn.q.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
         assert result["placements"]["layers.0.mlp.up.bias"] == (_StridedShard(0, split_factor=2), Shard(0))
-    else:  # by default the first dim tp does not cut (no _StridedShard for the optimizer to gather)
+    else:  # spmd's former default: the first dim tp does not cut, else whole over dp (no _StridedShard)
         assert result["placements"]["layers.0.attn.q.weight"] == (Shard(1), Shard(0))
         assert result["placements"]["layers.0.mlp.up.bias"] == (Replicate(), Shard(0))  # nothing left to cut
     assert result["placements"]["layers.0.attn.out.weight"] == (Shard(0), Shard(1))
@@ -166,8 +171,8 @@ def test_tp_and_fully_shard_on_meshes_unflattened_from_a_1d_world(dp: int) -> No
     per_rank = run_threaded(unflattened_meshes_run, 4, dp)
     check(per_rank, build_model(), dp)
     assert per_rank[0]["meshes"]["layers.0.attn.q.weight"] == ("fsdp", "tp")
-    placement = Shard(1) if dp == 2 else Replicate()  # one dp rank: nothing to cut
-    assert per_rank[0]["placements"]["layers.0.attn.q.weight"] == (placement, Shard(0))
+    # dim 0, inside tp's cut of it: FSDP2's placement even over one dp rank
+    assert per_rank[0]["placements"]["layers.0.attn.q.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
 
 
 def compiled_module_run(compile_blocks: bool) -> dict[str, Any]:
@@ -591,6 +596,6 @@ def test_errors_name_the_fix() -> None:
         # torch 2.13's SPMD-mesh spelling of spmd's same-mesh layout
         same_mesh = parallelize_module(build_model(), world, {"lm_head": ColwiseParallel()})
         fully_shard(same_mesh, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-        assert same_mesh.lm_head.weight.placements == (Shard(1), Shard(0))
+        assert same_mesh.lm_head.weight.placements == (_StridedShard(0, split_factor=2), Shard(0))
 
     run_threaded(run, 4)

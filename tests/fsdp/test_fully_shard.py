@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd.fsdp import fully_shard
+from spmd.fsdp import fully_shard, shard_first_free_dim
 from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.placement import _StridedShard
 from spmd.tensor_parallel import (
     ColwiseParallel,
     loss_parallel,
@@ -101,7 +102,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 TP_PLAN = tp_plan(sequence_parallel=True)  # the demo GPT's plan; TinyGPT's modules have the same names
 
 
-def shard_model(model: TinyGPT, mesh: DeviceMesh, **options: bool) -> TinyGPT:
+def shard_model(model: TinyGPT, mesh: DeviceMesh, **options: Any) -> TinyGPT:
     """torchtitan's order: fully_shard each block, then the root (which takes the rest)."""
     for block in model.layers:
         fully_shard(block, mesh=mesh, **options)
@@ -135,14 +136,21 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
 
 
-def distributed_run(mesh_shape: tuple[int, ...], tp: bool, foreach: bool = False) -> dict[str, object]:
-    """Train on the current world (threads or gloo processes); what the tests compare."""
+def distributed_run(
+    mesh_shape: tuple[int, ...], tp: bool, foreach: bool = False, first_free_dim: bool = False
+) -> dict[str, object]:
+    """Train on the current world (threads or gloo processes); what the tests compare.
+
+    ``first_free_dim``: spmd's former layout (``shard_first_free_dim``) instead of FSDP2's default."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = build_model()
     if tp:
         parallelize_module(model, mesh, TP_PLAN)
-    shard_model(model, mesh)
+    options = (
+        {"shard_placement_fn": shard_first_free_dim(mesh["dp"] if len(names) > 1 else mesh)} if first_free_dim else {}
+    )
+    shard_model(model, mesh, **options)
     optimizer = make_optimizer(model, foreach=foreach)
     placements = tuple(Shard(0) if name == "dp" else Replicate() for name in names)
     losses = []
@@ -196,7 +204,20 @@ def test_fsdp_x_tp_on_2x2_trains_like_one_device(world: Callable[..., list[Any]]
     per_rank = world(distributed_run, 4, (2, 2), True, foreach, timeout=240)
     check_against_one_device(per_rank, 4)
     placements = per_rank[0]["placements"]
-    # tp already cuts dim 0 of a column-wise weight: dp cuts dim 1, so gathering over dp is a plain all_gather
+    # FSDP2's: dp cuts dim 0; where tp (the later mesh dim) cuts it too, dp cuts each tp piece
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    assert placements["layers.0.attn.q.weight"] == strided  # type: ignore[index]
+    assert placements["layers.0.attn.out.weight"] == (Shard(0), Shard(1))  # type: ignore[index]
+    assert placements["layers.0.mlp.up.bias"] == strided  # type: ignore[index]
+    assert placements["layers.0.attn_norm.weight"] == (Shard(0), Replicate())  # type: ignore[index]
+    assert placements["tok_emb.weight"] == strided  # type: ignore[index]
+
+
+def test_first_free_dim_keeps_spmds_former_layout() -> None:
+    """``shard_placement_fn=shard_first_free_dim(mesh["dp"])``: dp cuts the first dim tp does not, else nothing."""
+    per_rank = run_threaded(distributed_run, 4, (2, 2), True, False, True)
+    check_against_one_device(per_rank, 4)
+    placements = per_rank[0]["placements"]
     assert placements["layers.0.attn.q.weight"] == (Shard(1), Shard(0))  # type: ignore[index]
     assert placements["layers.0.attn.out.weight"] == (Shard(0), Shard(1))  # type: ignore[index]
     assert placements["layers.0.mlp.up.bias"] == (Replicate(), Shard(0))  # type: ignore[index]  # nothing left to cut
@@ -204,12 +225,12 @@ def test_fsdp_x_tp_on_2x2_trains_like_one_device(world: Callable[..., list[Any]]
     assert placements["tok_emb.weight"] == (Shard(1), Shard(0))  # type: ignore[index]
 
 
-def test_dp_of_one_rank_leaves_the_tp_layout() -> None:
-    """On a (1, 4) mesh there is nothing to shard over dp: parameters keep their tp layout, training is unchanged."""
+def test_dp_of_one_rank_trains_unchanged() -> None:
+    """On a (1, 4) mesh dp has nothing to cut; the placements are still FSDP2's (a one-rank _StridedShard)."""
     per_rank = run_threaded(distributed_run, 4, (1, 4), tp=True)
     check_against_one_device(per_rank, 4)
     placements = per_rank[0]["placements"]
-    assert placements["layers.0.attn.q.weight"] == (Replicate(), Shard(0))  # type: ignore[index]
+    assert placements["layers.0.attn.q.weight"] == (_StridedShard(0, split_factor=4), Shard(0))  # type: ignore[index]
 
 
 def dp_collectives_per_module(reshard_after_forward: bool | None) -> dict[tuple[str, bool], dict[str, int]]:
@@ -244,13 +265,12 @@ def test_all_gather_in_forward_and_backward_reduce_scatter_in_backward(reshard_a
         block = f"FSDPTinyGPT.layers.{i}"
         assert counts[(block, False)] == {"all_gather": 1}
         regather = {"all_gather": 1} if blocks_reshard else {}
-        # MLP up's bias: tp already cuts its only dim, so it stays whole over dp and is all-reduced
-        assert counts[(block, True)] == {**regather, "reduce_scatter": 1, "all_reduce": 1}
+        assert counts[(block, True)] == {**regather, "reduce_scatter": 1}
     # the root (embedding, final norm, head) gathers once; by default it keeps its copies for backward
     assert counts[("FSDPTinyGPT", False)] == {"all_gather": LAYERS + 1}
     regathers = LAYERS * blocks_reshard + (reshard_after_forward is True)
     expected_gathers = {"all_gather": regathers} if regathers else {}
-    assert counts[("FSDPTinyGPT", True)] == {**expected_gathers, "reduce_scatter": LAYERS + 1, "all_reduce": LAYERS}
+    assert counts[("FSDPTinyGPT", True)] == {**expected_gathers, "reduce_scatter": LAYERS + 1}
 
 
 def test_gathered_parameters_are_freed_after_forward() -> None:
@@ -302,11 +322,22 @@ def test_tied_weights_and_no_grad_forward() -> None:
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
 
 
+class Scale(nn.Module):
+    """Multiplies by a learnt scalar: a 0-d parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 def test_uneven_and_small_parameters() -> None:
-    """A dim smaller than dp is skipped for the next (weight [3, 5]: dp cuts 5 as torch.chunk does: 2, 2, 1 and an empty shard); a
-    parameter with no dim big enough (bias [3], a scalar) stays whole over dp."""
+    """dp cuts dim 0 as FSDP2 does, however short: as torch.chunk does, so some shards are empty (weight
+    [3, 5] over 4 ranks: 1, 1, 1, 0 rows; [1, 3]: 1, 0, 0, 0); a 0-d parameter stays whole over dp."""
     gen = torch.Generator().manual_seed(9)
-    reference = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+    reference = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1), Scale())
     with torch.no_grad():
         for param in reference.parameters():
             param.copy_(torch.randn(param.shape, generator=gen))
@@ -328,12 +359,17 @@ def test_uneven_and_small_parameters() -> None:
             F.mse_loss(model(inputs), targets).backward()
             optimizer.step()
         named = dict(model.named_parameters())
-        return {n: p.placements for n, p in named.items()}, {n: p.full_tensor() for n, p in named.items()}
+        shapes = {n: tuple(p.to_local().shape) for n, p in named.items()}
+        return {n: p.placements for n, p in named.items()}, {n: p.full_tensor() for n, p in named.items()}, shapes
 
-    placements, params = run_threaded(run, 4)[0]
+    per_rank = run_threaded(run, 4)
+    placements, params, _ = per_rank[0]
     assert placements == {
-        "0.weight": (Shard(1),), "0.bias": (Replicate(),), "2.weight": (Replicate(),), "2.bias": (Replicate(),),
+        "0.weight": (Shard(0),), "0.bias": (Shard(0),), "2.weight": (Shard(0),), "2.bias": (Shard(0),),
+        "3.scale": (Replicate(),),
     }  # fmt: skip
+    assert [shapes["0.weight"] for _, _, shapes in per_rank] == [(1, 5), (1, 5), (1, 5), (0, 5)]
+    assert [shapes["2.weight"] for _, _, shapes in per_rank] == [(1, 3), (0, 3), (0, 3), (0, 3)]
     for name, param in model_ref.named_parameters():
         torch.testing.assert_close(params[name], param, rtol=1e-4, atol=1e-5, msg=name)
 

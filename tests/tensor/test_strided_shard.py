@@ -118,7 +118,9 @@ def test_split_tensor_matches_torchs(size: int, num_chunks: int, split_factor: i
             for i in range(num_chunks):
                 one = ours._select_split_tensor(tensor, num_chunks, i, with_padding=padding)
                 assert torch.equal(one, theirs._select_split_tensor(tensor, num_chunks, i, with_padding=padding))
-    entries, _ = reference(0, split_factor=split_factor)._split_tensor(torch.arange(size), num_chunks, with_padding=False)
+    entries, _ = reference(0, split_factor=split_factor)._split_tensor(
+        torch.arange(size), num_chunks, with_padding=False
+    )
     for i in range(num_chunks):
         size_there, _ = reference(0, split_factor=split_factor).local_shard_size_and_offset(size, num_chunks, i)
         assert _StridedShard(0, split_factor=split_factor).local_shard_size(size, num_chunks, i) == size_there
@@ -285,9 +287,9 @@ class StridedShardTest(DTensorTestBase):
         x = distribute_tensor(full, mesh, [SS(0, split_factor=2), S0])
         w = distribute_tensor(weight, mesh, [R, S1])
         with CommDebugMode() as comm:
-            doubled = x * 2
+            row_sums = x.sum(1)
         self.assertEqual(comm.get_comm_counts(), {"all_gather": 2})
-        assert_same(doubled.full_tensor(), full * 2)
+        torch.testing.assert_close(row_sums.full_tensor(), full.sum(1))
         torch.testing.assert_close((x @ w).full_tensor(), full @ weight)
         torch.testing.assert_close(x.sum().full_tensor(), full.sum())
         torch.testing.assert_close(torch._foreach_add([x, x], 1.0)[1].full_tensor(), full + 1)
@@ -301,9 +303,9 @@ class StridedShardTest(DTensorTestBase):
         full = torch.arange(16.0).reshape(8, 2)
         x = distribute_tensor(full, mesh, [SS(0, split_factor=2)])
         with CommDebugMode() as comm:
-            y = x + x
+            y = torch.cat([x, x], dim=1)
         self.assertEqual(comm.get_comm_counts(), {"all_gather": 1})
-        assert_same(y.full_tensor(), 2 * full)
+        assert_same(y.full_tensor(), torch.cat([full, full], dim=1))
         kept = x.detach().float()
         self.assertEqual(kept.placements, x.placements)
         assert_same(kept.to_local(), x.to_local())
@@ -325,11 +327,14 @@ class StridedShardTest(DTensorTestBase):
         x = distribute_tensor(full, mesh, placements)
         storage = x.to_local().data_ptr()
         with CommDebugMode() as comm:
-            same = x.mul_(2)
+            same = x.cumsum_(1)
         self.assertIs(same, x)
         self.assertEqual(comm.get_comm_counts(), {"all_gather": 2})  # the gather; cutting back is local
         self.assertEqual(x.to_local().data_ptr(), storage)  # written in place
         self.assertEqual(x.placements, tuple(placements))
+        assert_same(x.to_local(), distribute_tensor(full.cumsum(1), mesh, placements).to_local())
+        full = full.cumsum(1)
+        x.mul_(2)
         assert_same(x.to_local(), distribute_tensor(2 * full, mesh, placements).to_local())
         torch._foreach_add_([x], 1.0)
         x.add_(x)
@@ -351,14 +356,48 @@ class StridedShardTest(DTensorTestBase):
         for foreach in (False, True):
             param = torch.nn.Parameter(distribute_tensor(full, mesh, placements))
             reference = torch.nn.Parameter(full.clone())
-            for p in (param, reference):
-                opt = torch.optim.AdamW([p], lr=0.1, foreach=foreach)
+            optimizers = [torch.optim.AdamW([p], lr=0.1, foreach=foreach) for p in (param, reference)]
+            for p, opt in zip((param, reference), optimizers):
                 for _ in range(2):
                     opt.zero_grad()
                     (p * p).sum().backward()
                     opt.step()
             self.assertEqual(param.placements, tuple(placements))
             torch.testing.assert_close(param.full_tensor(), reference.detach())
+            # the moments are laid out as the parameter: sharded over both mesh dims, not gathered
+            for name in ("exp_avg", "exp_avg_sq"):
+                self.assertEqual(optimizers[0].state[param][name].placements, tuple(placements))
+
+    @with_comms
+    def test_elementwise_ops_on_operands_laid_out_alike_run_on_the_pieces(self) -> None:
+        """No gather: each piece on its own, the result in the same (strided) layout, as torch's pointwise ops."""
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements = (SS(0, split_factor=2), S0)
+        full = torch.arange(36.0).reshape(9, 4) / 10
+        x, y = (distribute_tensor(t, mesh, list(placements)) for t in (full, full + 1))
+        scale = distribute_tensor(torch.tensor(3.0), mesh, [R, R])
+        with CommDebugMode() as comm:
+            results = {
+                "mul": (x * y, full * (full + 1)),
+                "scalar": (x.sqrt() * scale + 1, full.sqrt() * 3 + 1),
+                "where": (torch.where(x > 1, x, y), torch.where(full > 1, full, full + 1)),
+                "zeros_like": (torch.zeros_like(x), torch.zeros_like(full)),
+                "float64": (x.double(), full.double()),
+                "foreach": (torch._foreach_mul([x, y], [y, x])[1], (full + 1) * full),
+            }
+            state = torch.zeros_like(y)
+            state.lerp_(x, 0.5).addcmul_(x, y, value=2)
+            torch._foreach_add_([state], [x], alpha=1.0)
+        self.assertEqual(comm.get_comm_counts(), {})
+        for name, (got, want) in results.items():
+            self.assertEqual(got.placements, placements, name)
+            torch.testing.assert_close(got.full_tensor(), want, msg=name)
+        self.assertEqual(state.placements, placements)
+        torch.testing.assert_close(state.full_tensor(), full * 0.5 + 2 * full * (full + 1) + full)
+        other = distribute_tensor(full, mesh, [S0, S1])  # laid out otherwise: gathered, as before
+        with CommDebugMode() as comm:
+            torch.testing.assert_close((x + other).full_tensor(), 2 * full)
+        self.assertGreater(sum(comm.get_comm_counts().values()), 0)
 
     @with_comms
     def test_torch_save_and_load(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from spmd.hooks import HOOKS
 from spmd.tensor.device_mesh.mesh import DeviceMesh
+from spmd.tensor.dispatch.elementwise_local import NOT_LOCAL, run_elementwise_local
 from spmd.tensor.dispatch.keys import UnwrappedCall, scan_leaves, unwrap_call
 from spmd.tensor.dispatch.list_ops import ListOps
 from spmd.tensor.dispatch.moves import redistribute_moved
@@ -133,11 +134,15 @@ class Dispatcher:
         """The call again, its ``_StridedShard`` inputs gathered to ``unstrided_placements`` first.
 
         Op rules know Shard, Replicate and Partial only, so none ever sees a strided layout (read as
-        a plain Shard it would give wrong values). The gather is an implicit move: logged, counted
-        by CommDebugMode, refused under explicit redistribution. A strided argument the op writes
-        into (``x.add_(y)``, an optimizer's foreach step) is written through its gathered copy, whose
-        new values are then cut back into its pieces (locally: the copy holds every entry).
+        a plain Shard it would give wrong values). An elementwise op whose operands share one layout
+        runs on the local pieces instead (``elementwise_local``). The gather is an implicit move:
+        logged, counted by CommDebugMode, refused under explicit redistribution. A strided argument
+        the op writes into (``x.add_(y)``, a ``_foreach`` step) is written through its gathered copy,
+        whose new values are then cut back into its pieces (locally: the copy holds every entry).
         """
+        local = run_elementwise_local(entry, leaves, shape, kwarg_names)  # no gather: each piece on its own
+        if local is not NOT_LOCAL:
+            return local
         op = entry.op
         names = leaf_arguments(op, shape, kwarg_names, len(leaves))
         written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
@@ -169,7 +174,7 @@ class Dispatcher:
                         log_line(
                             "%-30s input %d: %s -> %s  (gathered before the op's rule: _StridedShard)",
                             op, n, format_placements(dt._spec.placements), format_placements(want),
-                        )
+                        )  # fmt: skip
                     local = redistribute_local(dt._local_tensor, dt._spec, want)
                     copies[id(dt)] = DTensor(local, dt._spec.with_placements(want), requires_grad=False)
                 gathered[positions[n]] = copies[id(dt)]
