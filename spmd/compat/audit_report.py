@@ -15,18 +15,20 @@ so the audit says what ``spmd.compat.redirect`` will do, not a second opinion.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from spmd.compat.module_map import classify
-from spmd.compat.sources import SourceFile, find_sources
+from spmd.compat.sources import SourceFile, SourceNotFoundError, find_sources
 from spmd.compat.uses import Guard, find_uses
 from spmd.compat.verdicts import Outcome, Verdict, judge
 
-__all__ = ["Audit", "NameReport", "PackageAudit", "Place", "audit"]
+__all__ = ["Audit", "NameReport", "PackageAudit", "Place", "audit", "main"]
 
 _ORDER: dict[Outcome, int] = {"missing": 0, "kept": 1, "torch": 2, "spmd": 3}
 _SHOWN = 3
@@ -266,3 +268,40 @@ def audit(*targets: str | os.PathLike[str], keep_torch: Iterable[str] = ()) -> A
         if classify(module) is None:
             raise ValueError(f"keep_torch={module!r}: not a torch DTensor module the redirect changes; drop it")
     return Audit(tuple(_audit_package(target, kept) for target in targets), kept)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m spmd.compat.audit",
+        description="List the torch DTensor names a package uses and what spmd.compat.redirect does with each.",
+    )
+    parser.add_argument("targets", nargs="+", metavar="PKG_OR_DIR", help="installed package name or source folder")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="every use, as JSON, for tools")
+    form.add_argument("--markdown", action="store_true", help="a Markdown table, for docs")
+    parser.add_argument(
+        "--keep-torch",
+        action="append",
+        default=[],
+        metavar="MODULE[,MODULE]",
+        help="torch modules kept torch's, as redirect(keep_torch=...) keeps them",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the audit command; returns the exit status."""
+    parser = _parser()
+    options = parser.parse_args(argv)
+    keep_torch = [module for value in options.keep_torch for module in value.split(",") if module]
+    try:
+        report = audit(*options.targets, keep_torch=keep_torch)
+    except (SourceNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    if options.json:
+        print(json.dumps(report.as_json(), indent=2))
+    elif options.markdown:
+        print(report.markdown())
+    else:
+        print(report.table())
+    return 1 if report.fails else 0
