@@ -12,6 +12,8 @@ MLP down row-wise to sequence shards, a column-wise head with vocab-sharded logi
 * ours: the demo's ``apply_tp_and_dp(..., fsdp=True)`` on the 2-d mesh; the batch is a DTensor
   sharded over dp, every activation a DTensor.
 * ours with ``--layout fsdp2``: torch's program below, with spmd's imports (FSDP2's layout).
+* ours with ``--first-free-dim``: either of the above with ``shard_placement_fn=shard_first_free_dim``
+  (spmd's former default: dp cuts the first dim tp does not, no ``_StridedShard``); torch keeps its own.
 * torch's: ``torch.distributed.tensor.parallel.parallelize_module`` on ``mesh["tp"]`` and
   ``torch.distributed.fsdp.fully_shard`` on ``mesh["dp"]``; each rank feeds its own slice of the
   batch as a plain tensor, and attention runs the rank's own heads (``n_heads / tp``), as
@@ -88,13 +90,22 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 # ----- ours ---------------------------------------------------------------------------------------
 class _Ours:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, first_free_dim: bool = False) -> None:
+        from spmd.fsdp import fully_shard, shard_first_free_dim
         from spmd.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
-        from spmd.tensor_parallel import loss_parallel
+        from spmd.tensor_parallel import loss_parallel, parallelize_module
+        from spmd.testing.models import tp_plan
 
         self.cfg, self.loss_parallel = cfg, loss_parallel
         self.mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        self.model = apply_tp_and_dp(build_model(cfg), self.mesh, sequence_parallel=True, fsdp=True)
+        if first_free_dim:  # the demo's apply_tp_and_dp, spelled out to pass shard_placement_fn
+            self.model = parallelize_module(build_model(cfg), self.mesh, tp_plan(sequence_parallel=True))
+            fn = shard_first_free_dim(self.mesh["dp"])
+            for block in self.model.layers:
+                fully_shard(block, mesh=self.mesh, shard_placement_fn=fn)
+            fully_shard(self.model, mesh=self.mesh, shard_placement_fn=fn)
+        else:
+            self.model = apply_tp_and_dp(build_model(cfg), self.mesh, sequence_parallel=True, fsdp=True)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=False)
         self.place: Callable[[torch.Tensor], Any] = lambda t: distribute_tensor(
             t, self.mesh, [Shard(0), Replicate()], src_data_rank=None
@@ -117,9 +128,10 @@ class _Ours:
 class _Torch:
     """torchtitan's layout: TP on ``mesh["tp"]``, fully_shard on ``mesh["dp"]``, each rank its own plain batch."""
 
-    def __init__(self, cfg: Config, *, library: str = "torch") -> None:
+    def __init__(self, cfg: Config, *, library: str = "torch", first_free_dim: bool = False) -> None:
+        options: dict[str, Any] = {}
         if library == "spmd":  # the same program on spmd's FSDP2-compatible fully_shard (--layout fsdp2)
-            from spmd.fsdp import fully_shard
+            from spmd.fsdp import fully_shard, shard_first_free_dim
             from spmd.tensor import Replicate, Shard, init_device_mesh
             from spmd.tensor_parallel import (
                 ColwiseParallel,
@@ -169,11 +181,13 @@ class _Torch:
                 f"layers.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
             })  # fmt: skip
         parallelize_module(model, mesh["tp"], plan)
+        if first_free_dim:
+            options["shard_placement_fn"] = shard_first_free_dim(mesh["dp"])
         for block in model.layers:
             assert isinstance(block, Block)
             block.attn.n_heads //= TP  # each rank's q/k/v output holds its own heads
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh["dp"], **options)
+        fully_shard(model, mesh=mesh["dp"], **options)
         self.model: nn.Module = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=False)
 
@@ -199,10 +213,16 @@ def _quiet_torch() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _compare_on_this_rank(cfg: Config, warmup: int, steps: int, layout: str = "same-mesh") -> tuple[Result, Result]:
+def _compare_on_this_rank(
+    cfg: Config, warmup: int, steps: int, layout: str = "same-mesh", first_free_dim: bool = False
+) -> tuple[Result, Result]:
     """One rank of the gloo world: both libraries' steps, interleaved; (ours, torch's)."""
     _quiet_torch()
-    spmd_trainer = _Torch(cfg, library="spmd") if layout == "fsdp2" else _Ours(cfg)
+    spmd_trainer = (
+        _Torch(cfg, library="spmd", first_free_dim=first_free_dim)
+        if layout == "fsdp2"
+        else _Ours(cfg, first_free_dim=first_free_dim)
+    )
     trainers: list[_Ours | _Torch] = [spmd_trainer, _Torch(cfg)]
     times: list[list[float]] = [[], []]
     losses: list[list[float]] = [[], []]
@@ -224,9 +244,13 @@ def _compare_on_this_rank(cfg: Config, warmup: int, steps: int, layout: str = "s
     return ours, theirs
 
 
-def measure(cfg: Config, *, warmup: int, steps: int, layout: str = "same-mesh") -> tuple[Result, Result]:
+def measure(
+    cfg: Config, *, warmup: int, steps: int, layout: str = "same-mesh", first_free_dim: bool = False
+) -> tuple[Result, Result]:
     """Both libraries on 4 spawned gloo processes; (ours, torch's) as seen by rank 0."""
-    ours, theirs = run_multiprocess(_compare_on_this_rank, WORLD, cfg, warmup, steps, layout, timeout=TIMEOUT_S)[0]
+    ours, theirs = run_multiprocess(
+        _compare_on_this_rank, WORLD, cfg, warmup, steps, layout, first_free_dim, timeout=TIMEOUT_S
+    )[0]
     return ours, theirs
 
 
@@ -268,6 +292,11 @@ def main(argv: Sequence[str] | None = None) -> tuple[Result, Result]:
         default="same-mesh",
         help="ours on the demo's one 2-d mesh (default), or on torchtitan's layout: the very program torch runs",
     )
+    parser.add_argument(
+        "--first-free-dim",
+        action="store_true",
+        help="ours with shard_placement_fn=shard_first_free_dim (spmd's former layout, no _StridedShard)",
+    )
     args = parser.parse_args(argv)
     warmup, steps = (2, 5) if args.quick else (args.warmup, args.steps)
     if steps < 1:
@@ -275,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[Result, Result]:
     cfg = replace(Config(), dp=DP, tp=TP, steps=warmup + steps, fsdp=True)
     _quiet_torch()
     start = time.perf_counter()
-    ours, theirs = measure(cfg, warmup=warmup, steps=steps, layout=args.layout)
+    ours, theirs = measure(cfg, warmup=warmup, steps=steps, layout=args.layout, first_free_dim=args.first_free_dim)
     print_report(cfg, ours, theirs, warmup=warmup, steps=steps)
     print(f"ran in {time.perf_counter() - start:.1f} s")
     with contextlib.suppress(Exception):
