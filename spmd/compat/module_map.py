@@ -93,7 +93,13 @@ NAMES: dict[str, dict[str, str]] = {
     "torch.distributed.fsdp": _FSDP2,
     "torch.distributed.fsdp._fully_shard": _FSDP2,
     "torch.distributed.tensor._dtensor_spec": {"DTensorSpec": "spmd.tensor.spec", "TensorMeta": "spmd.tensor.spec"},
-    "torch.distributed.tensor._random": {"manual_seed": "spmd.tensor.random"},
+    "torch.distributed.tensor._random": {"manual_seed": "spmd.tensor.random", "is_rng_supported_mesh": "spmd.tensor.random"},
+    "torch.distributed.tensor._collective_utils": {
+        "pad_tensor": "spmd.tensor.placement",
+        "unpad_tensor": "spmd.tensor.placement",
+        "shard_dim_alltoall": "spmd.tensor.redistribute.collectives",
+    },
+    "torch.distributed.tensor._redistribute": {"redistribute_local_tensor": "spmd.tensor.redistribute.run"},
     "torch.distributed.tensor._utils": {"compute_local_shape_and_global_offset": "spmd.tensor.spec"},
 }
 """torch module -> {name: the spmd module that has the same name with the same meaning}."""

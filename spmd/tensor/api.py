@@ -91,6 +91,20 @@ def distribute_tensor(
     return DTensor(local, DTensorSpec(device_mesh, placements, meta), requires_grad=tensor.requires_grad)
 
 
+def _shard_tensor(
+    full_tensor: torch.Tensor,
+    placements: Sequence[Shard],
+    device_mesh: DeviceMesh | None = None,
+) -> DTensor:
+    """This rank's pieces of ``full_tensor`` as a DTensor, cut locally: nothing is sent.
+
+    torch's private name for ``distribute_tensor(full_tensor, device_mesh, placements,
+    src_data_rank=None)`` (note the argument order), for code where every rank already holds the
+    same whole tensor, e.g. each loaded the same checkpoint. Nothing checks that the copies agree.
+    """
+    return distribute_tensor(full_tensor, device_mesh, placements, src_data_rank=None)
+
+
 def _already_distributed(tensor: DTensor, device_mesh: DeviceMesh, placements: PlacementList | None) -> DTensor:
     """``tensor`` itself when it already has the mesh and placements asked for; else a ValueError."""
     if tensor.device_mesh != device_mesh:

@@ -12,6 +12,7 @@ import copy
 import logging
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -76,6 +77,14 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
         if local_tensor.requires_grad and not requires_grad:
+            if torch.is_grad_enabled():  # the caller may expect autograd to reach local_tensor: say it won't
+                warnings.warn(
+                    "DTensor(local_tensor, spec, requires_grad=False) got a local tensor that requires grad and "
+                    "detaches it, so no gradient flows back to it. To construct a DTensor that keeps the "
+                    "autograd link use DTensor.from_local(local_tensor, ...); to drop it, pass local_tensor.detach()",
+                    UserWarning,
+                    stacklevel=2,
+                )
             local_tensor = local_tensor.detach()
         return wrap_result(local_tensor, spec, cls=cls, requires_grad=requires_grad)
 

@@ -30,6 +30,8 @@ __all__ = [
     "shard_sizes",
     "shard_offsets",
     "pad_dim",
+    "pad_tensor",
+    "unpad_tensor",
     "strided_shard_indices",
 ]
 
@@ -391,12 +393,31 @@ def shard_offsets(size: int, num_chunks: int) -> list[int]:
 
 def pad_dim(tensor: torch.Tensor, dim: int, to: int) -> torch.Tensor:
     """``tensor`` grown to ``to`` along ``dim`` with zeros (uneven shards travel padded to the longest)."""
-    missing = to - tensor.size(dim)
-    if missing <= 0:
+    return pad_tensor(tensor, dim, to - tensor.size(dim))
+
+
+def pad_tensor(tensor: torch.Tensor, pad_dim: int, pad_size: int) -> torch.Tensor:
+    """``tensor`` with ``pad_size`` zeros appended along ``pad_dim`` (itself when there are none).
+
+    torch's private name (``_collective_utils``), the padding ``Shard._split_tensor(with_padding=True)``
+    adds to the short pieces; ``unpad_tensor`` takes it off again.
+    """
+    if pad_size <= 0:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+    shape[pad_dim] = pad_size
+    return torch.cat([tensor, tensor.new_zeros(shape)], pad_dim)
+
+
+def unpad_tensor(tensor: torch.Tensor, pad_dim: int, pad_size: int) -> torch.Tensor:
+    """``tensor`` without its last ``pad_size`` entries along ``pad_dim``: a view, no copy.
+
+    Undoes ``pad_tensor``; e.g. ``pieces, pads = Shard(0)._split_tensor(t, n)`` then
+    ``unpad_tensor(pieces[i], 0, pads[i])`` is piece ``i`` as ``torch.chunk`` cuts it.
+    """
+    if pad_size <= 0:
+        return tensor
+    return tensor.narrow(pad_dim, 0, tensor.size(pad_dim) - pad_size)
 
 
 def format_placements(placements: Sequence[Placement]) -> str:

@@ -40,6 +40,7 @@ __all__ = [
     "draw_local",
     "drawn_elements",
     "get_rng_mode",
+    "is_rng_supported_mesh",
     "local_piece_of",
     "manual_seed",
     "rank_generator",
@@ -105,6 +106,19 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
         _generators.setdefault(device_mesh._world, {})[device_mesh.get_rank()] = _RankRNG(
             seed, torch.Generator().manual_seed(seed), mode=mode, drawn=drawn
         )
+
+
+def is_rng_supported_mesh(device_mesh: DeviceMesh) -> bool:
+    """Whether random ops on DTensors of ``device_mesh`` draw a single device's numbers: always here.
+
+    torch's private name; torch answers False (with a warning) for meshes whose device has no RNG
+    state it can set, e.g. CPU, and there falls back to each rank's own generator. spmd's
+    generators are per rank of a world on every device type, so code that branches on this takes
+    the supported path.
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"is_rng_supported_mesh takes a DeviceMesh, got {type(device_mesh).__name__}")
+    return True
 
 
 def _check_mode(mode: str) -> RngMode:

@@ -52,6 +52,11 @@ class TensorMeta:
     """``stride`` is the default (row-major) one, so a wrapper tensor need not be given it."""
 
     def __post_init__(self) -> None:
+        if callable(self.stride):
+            raise TypeError(
+                "TensorMeta takes the stride as a tuple of ints, got a method; pass tensor.stride(), "
+                "not tensor.stride"
+            )
         # Sizes may be symbols while torch.compile traces (a value-dependent shape): no comparing then.
         plain = all(type(size) is int for size in self.shape)
         object.__setattr__(self, "contiguous", plain and tuple(self.stride) == contiguous_strides(self.shape))

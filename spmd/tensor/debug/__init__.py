@@ -36,6 +36,7 @@ from spmd.tensor.debug.explicit import (
 from spmd.tensor.debug.fallbacks import FallbackRecord, FallbackReport, fallback_report, reset_fallback_report
 from spmd.tensor.debug.verbose import is_verbose, set_verbose, verbose
 from spmd.tensor.debug.visualize import sharding_table, visualize_sharding
+from spmd.tensor.dispatch.dispatcher import DISPATCHER
 
 __all__ = [
     "CommDebugMode",
@@ -65,3 +66,12 @@ __all__ = [
 ]
 
 configure_from_environment()
+
+
+def _clear_sharding_prop_cache() -> None:
+    """Forget every cached sharding decision; the next call of each op decides afresh.
+
+    torch's private name, which tests call between worlds: a cached decision holds its mesh, and so
+    the world it belongs to, until the cache is cleared (or fills up).
+    """
+    DISPATCHER.clear_cache()

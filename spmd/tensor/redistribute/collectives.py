@@ -31,6 +31,7 @@ __all__ = [
     "all_gather_strided",
     "reduce_scatter_dim",
     "all_to_all_dims",
+    "shard_dim_alltoall",
     "local_chunk",
     "pad_into_partial",
     "reduction_identity",
@@ -174,6 +175,19 @@ def all_to_all_dims(local: torch.Tensor, comm: Communicator, src_dim: int, dst_d
     received = comm.all_to_all(torch.stack(blocks))
     pieces = [received[s].narrow(src_dim, 0, src_sizes[s]).narrow(dst_dim, 0, dst_sizes[me]) for s in range(n)]
     return torch.cat(pieces, src_dim)
+
+
+def shard_dim_alltoall(
+    input: torch.Tensor, gather_dim: int, shard_dim: int, mesh: DeviceMesh, mesh_dim: int
+) -> torch.Tensor:
+    """This rank's piece of a tensor sharded on ``gather_dim`` over ``mesh_dim``, re-cut on
+    ``shard_dim``: Shard(gather_dim) -> Shard(shard_dim) in one all_to_all.
+
+    torch's private name (``_collective_utils``). As in torch, every member's ``input`` is equally
+    long on ``gather_dim``; ``shard_dim`` may split unevenly (``shard_sizes``).
+    """
+    comm = mesh.get_communicator(mesh_dim)
+    return all_to_all_dims(input, comm, gather_dim, shard_dim, input.size(gather_dim) * comm.size)
 
 
 def reduction_identity(reduce_op: str, dtype: torch.dtype) -> float | int | bool:

@@ -40,7 +40,14 @@ from spmd.tensor.redistribute.plan import (
 from spmd.tensor.spec import DTensorSpec
 from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line, op_scope
 
-__all__ = ["redistribute_local", "redistribute_traced", "grad_placements_for", "backward_placements", "Redistribute"]
+__all__ = [
+    "redistribute_local",
+    "redistribute_local_tensor",
+    "redistribute_traced",
+    "grad_placements_for",
+    "backward_placements",
+    "Redistribute",
+]
 
 REPLICATE = Replicate()
 
@@ -163,6 +170,31 @@ def redistribute_traced(
         log_line("%-28s %s -> %s", label, spec, format_placements(dst))
     with op_scope(label):
         return redistribute_local(local, spec, dst)
+
+
+def redistribute_local_tensor(
+    local_tensor: torch.Tensor,
+    current_spec: DTensorSpec,
+    target_spec: DTensorSpec,
+    *,
+    async_op: bool = False,
+    use_graph_based_transform: bool | None = None,
+    is_explicit: bool = False,
+) -> torch.Tensor:
+    """This rank's shard of ``current_spec``'s tensor laid out as ``target_spec`` (collective on all ranks).
+
+    torch's private name (``_redistribute``), which code that runs its own ops on local shards
+    calls; the work is ``redistribute_local``'s, named to the debug tools. spmd has one planner and
+    completes its collectives before returning, so ``use_graph_based_transform`` and ``async_op``
+    change nothing (the result is the same tensor either way); ``is_explicit`` is true of every
+    direct call already.
+    """
+    if current_spec.mesh != target_spec.mesh:
+        raise ValueError(
+            f"redistribute_local_tensor moves a shard between placements on one mesh, got {current_spec.mesh} "
+            f"and {target_spec.mesh}; redistribute on the mesh the tensor lives on"
+        )
+    return redistribute_traced(local_tensor, current_spec, target_spec.placements, "redistribute_local_tensor")
 
 
 def grad_placements_for(placements: Sequence[Placement]) -> tuple[Placement, ...]:
