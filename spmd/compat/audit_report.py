@@ -115,6 +115,8 @@ class PackageAudit:
     """Failing names first, then by name."""
     unreadable: tuple[str, ...]
     """``file: why`` for each file that does not parse (it is not audited)."""
+    version: str = ""
+    """The package's version, when its metadata says."""
 
     @property
     def failing(self) -> tuple[NameReport, ...]:
@@ -125,8 +127,9 @@ class PackageAudit:
         """One line: what was read, how many names, how many fail and how many of those on the default path."""
         failing = self.failing
         default = sum(name.on_default_path for name in failing)
+        version = f" {self.version}" if self.version else ""
         return (
-            f"{self.package} ({self.root}, {self.files} files): {len(self.names)} torch DTensor names used; "
+            f"{self.package}{version} ({self.root}, {self.files} files): {len(self.names)} torch DTensor names used; "
             f"{len(failing)} would fail, {default} of them on the default path"
         )
 
@@ -155,8 +158,8 @@ class Audit:
         return "\n\n".join([*blocks, LEGEND])
 
     def markdown(self) -> str:
-        """Markdown for docs: one package, its table; several, one table of every name with the packages
-        that use it, then the failing names with their places."""
+        """Markdown for docs: one package, its table; several, a table of the packages, one of every name
+        with the packages that use it, then the failing names with their places."""
         if len(self.packages) == 1:
             (package,) = self.packages
             headers = ["name", "what the redirect does", "uses", "path", "where"]
@@ -178,7 +181,15 @@ class Audit:
             for name, redirect in order
         ]
         failing = [[f"`{n.name}`", p.package, n.paths, _md(n.where())] for p in self.packages for n in p.failing]
-        tables = [_markdown(["name", "what the redirect does", "used by: uses (path)"], rows)]
+        overview = [
+            [f"{p.package} {p.version}".strip(), str(p.files), str(len(p.names)), str(len(p.failing)),
+             str(sum(n.on_default_path for n in p.failing))]
+            for p in self.packages
+        ]  # fmt: skip
+        tables = [
+            _markdown(["package", "files read", "names used", "would fail", "of them on the default path"], overview),
+            _markdown(["name", "what the redirect does", "used by: uses (path)"], rows),
+        ]
         if failing:
             tables.append(_markdown(["fails", "in", "path", "where"], failing))
         return "\n\n".join(tables)
@@ -192,6 +203,7 @@ class Audit:
                 {
                     "package": package.package,
                     "root": package.root,
+                    "version": package.version,
                     "files": package.files,
                     "unreadable": list(package.unreadable),
                     "names": [
@@ -252,7 +264,9 @@ def _audit_package(target: str | os.PathLike[str], keep_torch: tuple[str, ...]) 
         for verdict, places in by_name.values()
     ]
     names.sort(key=lambda n: (_ORDER[n.outcome], n.name))
-    return PackageAudit(sources.label, sources.root, len(sources.files), tuple(names), tuple(unreadable))
+    return PackageAudit(
+        sources.label, sources.root, len(sources.files), tuple(names), tuple(unreadable), sources.version
+    )
 
 
 def audit(*targets: str | os.PathLike[str], keep_torch: Iterable[str] = ()) -> Audit:

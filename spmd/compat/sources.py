@@ -8,6 +8,7 @@ as it is; module names are relative to it, or to its parent when it is itself a 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ class SourceFile:
 
 @dataclass(frozen=True, slots=True)
 class Sources:
-    """What a target names: a label (the package, or the directory's name), the root walked and its files."""
+    """What a target names: a label (the package, or the directory's name), the root walked, its files and
+    its version when known (installed metadata, or a ``*.dist-info`` in the folder; else empty)."""
 
     label: str
     root: str
     files: tuple[SourceFile, ...]
+    version: str = ""
 
 
 def _module_name(relative: Path) -> str:
@@ -86,6 +89,24 @@ def _installed(name: str) -> list[tuple[Path, Path]]:
     return roots
 
 
+def _folder_version(folder: Path) -> str:
+    """The version in an unpacked wheel's ``*.dist-info/METADATA``, when the folder holds exactly one."""
+    found = sorted(folder.glob("*.dist-info/METADATA")) if folder.is_dir() else []
+    if len(found) != 1:
+        return ""
+    for line in found[0].read_text(errors="replace").splitlines():
+        if line.startswith("Version:"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+def _installed_version(top: str) -> str:
+    try:
+        return importlib.metadata.version(top)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ""
+
+
 def find_sources(target: str | os.PathLike[str]) -> Sources:
     """The Python files of ``target``: a directory or file path when one exists, otherwise an installed
     package or module name (dotted names allowed)."""
@@ -93,10 +114,11 @@ def find_sources(target: str | os.PathLike[str]) -> Sources:
     if path.exists():
         path = path.resolve()
         base = path.parent if path.is_file() or (path / "__init__.py").exists() else path
-        return Sources(path.stem, str(path), tuple(_walk(path, base)))
+        return Sources(path.stem, str(path), tuple(_walk(path, base)), _folder_version(path))
     name = os.fspath(target)
     if not all(part.isidentifier() for part in name.split(".")):
         raise SourceNotFoundError(f"{name!r} is neither an existing path nor a package name")
     roots = _installed(name)
     files = [file for root, base in roots for file in _walk(root, base)]
-    return Sources(name, os.pathsep.join(str(root) for root, _ in roots), tuple(files))
+    roots_shown = os.pathsep.join(str(root) for root, _ in roots)
+    return Sources(name, roots_shown, tuple(files), _installed_version(name.partition(".")[0]))

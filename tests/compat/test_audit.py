@@ -282,6 +282,16 @@ def test_a_folder_a_dotted_name_and_an_unknown_target(third_party, tmp_path):
         spmd.compat.audit("no_such_package_anywhere")
 
 
+def test_an_unpacked_wheel_gives_its_version(tmp_path):
+    (tmp_path / "wheel" / "client").mkdir(parents=True)
+    (tmp_path / "wheel" / "client" / "__init__.py").write_text("from torch.distributed.tensor import DTensor\n")
+    (tmp_path / "wheel" / "client-1.2.3.dist-info").mkdir()
+    (tmp_path / "wheel" / "client-1.2.3.dist-info" / "METADATA").write_text("Name: client\nVersion: 1.2.3\n")
+    (audited,) = spmd.compat.audit(tmp_path / "wheel").packages
+    assert (audited.package, audited.version, audited.files) == ("wheel", "1.2.3", 1)
+    assert audited.names[0].places[0].file == "client/__init__.py"
+
+
 def test_files_that_do_not_parse_are_listed_not_audited(third_party):
     package = third_party(
         {"__init__.py": "from torch.distributed import tensor\n", "old.py": "print 'distributed'\n"}, redirect=False
@@ -308,7 +318,7 @@ def test_command_exit_status_and_formats(third_party, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fails"] is True and data["keep_torch"] == []
     (package,) = data["packages"]
-    assert set(package) == {"package", "root", "files", "unreadable", "names"}
+    assert set(package) == {"package", "version", "root", "files", "unreadable", "names"}
     assert package["names"] == [
         {
             "name": "torch.distributed.tensor._torch_only.x",
