@@ -52,7 +52,12 @@ from spmd.tensor.spec import (
     contiguous_strides,
     normalize_placements,
 )
-from spmd.tensor.torch_objects import refuse_torch_object, torch_object_error
+from spmd.tensor.torch_objects import (
+    MixedDTensorLibrariesError,
+    refuse_torch_object,
+    torch_object_error,
+    torch_operand_error,
+)
 
 __all__ = ["DTensor", "DataDependentShapeError", "implicit_replication"]
 
@@ -176,11 +181,17 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         try:
             result = HOOKS.dispatch(func, args, kwargs or {})  # the dispatcher (spmd/hooks.py says why late)
-        except TypeError as error:
+        except MixedDTensorLibrariesError:
+            raise
+        except Exception as error:
             # While torch.compile traces, an output shape that depends on values is a symbol, and a
             # spec (hashable, static) cannot hold it: say which op it was.
-            if "SymInt" in str(error):
+            if isinstance(error, TypeError) and "SymInt" in str(error):
                 raise DataDependentShapeError(func) from error
+            # A DTensor of torch's the dispatcher took for a plain 0-d tensor fails inside torch: say so.
+            mixed = torch_operand_error(func, args, kwargs)
+            if mixed is not None:
+                raise mixed from error
             raise
         if func is _DETACH and args[0]._local_grad_placements is not None:
             # The same tensor without history keeps to_local()'s default: torch.compile fakes a

@@ -3,10 +3,10 @@
 When only some code runs through ``spmd.compat.redirect``, a mesh, DTensor, placement or parallel
 style built by torch's DTensor can reach spmd (and the other way round). The two libraries' objects
 do not mix, and without a check the failure is an ``AttributeError`` deep inside spmd. The entry
-points call ``refuse_torch_object`` only on an argument that already failed their own type check,
-so a normal call pays nothing. torch's classes are recognised by their module and name along the
-object's class hierarchy: importing ``torch.distributed.tensor`` here would load torch's DTensor
-into every spmd program.
+points look only at an argument that already failed their own type check, and an op's operands are
+looked at only after the op failed (``torch_operand_error``), so a normal call pays nothing.
+torch's classes are recognised by their module and name along the object's class hierarchy:
+importing ``torch.distributed.tensor`` here would load torch's DTensor into every spmd program.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 __all__ = [
     "MixedDTensorLibrariesError",
     "torch_object_kind",
     "torch_object_error",
     "refuse_torch_object",
     "refuse_torch_objects",
+    "torch_operand_error",
 ]
 
 
@@ -82,6 +86,16 @@ def refuse_torch_objects(values: Iterable[object], where: str) -> None:
     """``refuse_torch_object`` on each of ``values`` (placements, a call's arguments)."""
     for value in values:
         refuse_torch_object(value, where)
+
+
+def torch_operand_error(op: object, args: Any, kwargs: Any) -> MixedDTensorLibrariesError | None:
+    """The error for an op call that failed with a DTensor of torch's among its operands, else None."""
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and type(leaf) is not torch.Tensor:
+            error = torch_object_error(leaf, f"{op} (an operand beside spmd's DTensors)")
+            if error is not None:
+                return error
+    return None
 
 
 def _message(value: object, kind: str, where: str) -> str:

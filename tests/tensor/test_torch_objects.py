@@ -168,12 +168,15 @@ def test_an_op_mixing_spmd_and_torch_dtensors_names_the_op() -> None:
             refusal(lambda: ours + theirs),  # not "unsupported operand": the error is not a TypeError
             refusal(lambda: torch.mm(ours, theirs)),
             refusal(lambda: ours.copy_(theirs)),
+            refusal(lambda: ours * torch_distribute_tensor(torch.tensor(2.0), theirs.device_mesh, [TorchReplicate()])),
         ]
 
-    add, mm, copy = run_threaded(program, 2)[0]
+    add, mm, copy, by_scalar = run_threaded(program, 2)[0]
     assert_explains(add, "aten.add.Tensor (an operand beside spmd's DTensors)", TORCH_DTENSOR)
     assert_explains(mm, "aten.mm.default (an operand beside spmd's DTensors)", TORCH_DTENSOR)
     assert_explains(copy, "aten.copy_.default (an operand beside spmd's DTensors)", TORCH_DTENSOR)
+    # a 0-d DTensor of torch's passes for a plain scalar tensor until torch's own dispatch refuses it
+    assert_explains(by_scalar, "aten.mul.Tensor (an operand beside spmd's DTensors)", TORCH_DTENSOR)
 
 
 def test_a_list_op_mixing_spmd_and_torch_dtensors_names_the_argument() -> None:
