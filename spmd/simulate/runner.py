@@ -19,8 +19,9 @@ from spmd.simulate.meta_semantics import MetaAsCpu
 from spmd.simulate.plan import Links, Plan
 from spmd.simulate.report import PlanReport, collective_stats, human_bytes
 from spmd.simulate.world import SimulatedWorld
-from spmd.tensor import DeviceMesh, DTensor, Shard, init_device_mesh
+from spmd.tensor import DeviceMesh, DTensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.placement import _is_shard_like
 
 __all__ = ["Workload", "simulate"]
 
@@ -81,17 +82,37 @@ def simulate(
 
 
 def _fsdp_notes(model: nn.Module, plan: Plan) -> tuple[str, ...]:
-    """Say so when fully_shard kept parameters whole over dp (none of their dims has a row per dp rank)."""
+    """Say so when fully_shard left some dp ranks without a share of a parameter: kept whole over dp
+    (0-d), or cut on a dim with fewer rows than dp ranks (FSDP2's dim 0), so some shards are empty."""
     dp = plan.mesh_dim_names.index("dp")
+    dp_size = plan.size("dp")
     params = [p for p in model.parameters() if isinstance(p, DTensor)]
-    whole = [p for p in params if not isinstance(p.placements[dp], Shard)]
-    if not whole:
-        return ()
-    nbytes = sum(p._local_tensor.nbytes for p in whole)
-    return (
-        f"fully_shard kept {len(whole)} of {len(params)} parameters ({human_bytes(nbytes)} per rank) whole over "
-        f"dp={plan.size('dp')}: none of their dims has a row for every dp rank, so their gradients are all-reduced",
-    )
+    whole = [p for p in params if not _is_shard_like(p.placements[dp])]
+    short = [p for p in params if _is_shard_like(p.placements[dp]) and _rows_for_dp(p, dp) < dp_size]
+    notes = []
+    if whole:
+        nbytes = sum(p._local_tensor.nbytes for p in whole)
+        notes.append(
+            f"fully_shard kept {len(whole)} of {len(params)} parameters ({human_bytes(nbytes)} per rank) whole "
+            f"over dp={dp_size}: their gradients are all-reduced"
+        )
+    if short:
+        notes.append(
+            f"fully_shard cut {len(short)} of {len(params)} parameters on a dim with fewer rows than dp={dp_size} "
+            "ranks (FSDP2's dim 0), so some dp ranks hold empty shards of them; shard_placement_fn="
+            "shard_first_free_dim(dp_mesh) picks a longer dim where there is one"
+        )
+    return tuple(notes)
+
+
+def _rows_for_dp(param: DTensor, dp: int) -> int:
+    """The rows dp cuts: the length of its tensor dim, divided among the other mesh dims cutting it too."""
+    dim = param.placements[dp].dim  # type: ignore[attr-defined]
+    rows = param.shape[dim]
+    for d, p in enumerate(param.placements):
+        if d != dp and _is_shard_like(p) and p.dim == dim:
+            rows //= param.device_mesh.size(d)
+    return rows
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from spmd.tensor import (
     distribute_tensor,
     init_device_mesh,
 )
+from spmd.tensor.placement import _StridedShard
 from spmd.tensor_parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -433,12 +434,13 @@ class ParallelisedModuleSerializationTest(DTensorTestBase):
         model = _tensor_parallel_mlp(mesh, seed=0)
         fully_shard(model.up, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # tp cuts up.bias on its only dim, so dp keeps it whole and reduces its gradient
-        self.assertEqual(model.up.bias.placements, (Replicate(), Shard(0)))
+        # tp cuts up.bias on its only dim, and dp cuts each tp piece (FSDP2's _StridedShard)
+        strided = (_StridedShard(0, split_factor=2), Shard(0))
+        self.assertEqual(model.up.bias.placements, strided)
         batch = seeded_randn(4, 6, seed=10)
         x = distribute_tensor(batch, mesh, [Shard(0), Replicate()])  # sharded over dp
         model(x).sum().backward()
-        self.assertEqual(model.up.bias.grad.placements, (Replicate(), Shard(0)))
+        self.assertEqual(model.up.bias.grad.placements, strided)
         self.assert_copies_train_like_the_original(model, x)
 
     @with_comms
