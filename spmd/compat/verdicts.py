@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import Literal
 
-from spmd.compat import resolve
+import spmd.compat.resolve as resolve
 from spmd.compat.module_map import NAMES, TORCH_FALLBACK, reexport
 from spmd.compat.uses import Use
 
