@@ -1,6 +1,6 @@
 """Recognising torch.distributed.tensor's objects where spmd's are needed, and saying how to fix it.
 
-When only some code runs through ``spmd.compat.redirect``, a mesh, DTensor, placement or parallel
+When only some packages are redirected (the import redirect of docs/compat.md), a mesh, DTensor, placement or parallel
 style built by torch's DTensor can reach spmd (and the other way round). The two libraries' objects
 do not mix, and without a check the failure is an ``AttributeError`` deep inside spmd. The entry
 points look only at an argument that already failed their own type check, and an op's operands are
@@ -51,6 +51,9 @@ _SPMD_WAY = {
     "parallel style": "spmd.tensor_parallel's styles (ColwiseParallel, RowwiseParallel, ...)",
 }
 """How to build each kind of object with spmd instead."""
+
+_REDIRECT = __name__.partition(".")[0] + ".compat.redirect"
+"""The import redirect's function, by its full name for the message (docs/compat.md)."""
 
 _REPR_LIMIT = 120
 
@@ -104,7 +107,7 @@ def _message(value: object, kind: str, where: str) -> str:
         f"{where} got torch's {cls.__module__}.{cls.__qualname__} {_short_repr(value, kind)}; it needs spmd's "
         f"{kind}. spmd.tensor and torch.distributed.tensor are separate DTensor libraries whose objects do not "
         f"mix. The code that built this {kind} uses torch's DTensor: redirect its package with "
-        'spmd.compat.redirect("<package>") before the package is imported (docs/compat.md), or build the '
+        f'{_REDIRECT}("<package>") before the package is imported (docs/compat.md), or build the '
         f"{kind} with {_SPMD_WAY[kind]}"
     )
 

@@ -1,11 +1,12 @@
 """torch.distributed.tensor's objects handed to spmd fail with one clear error, entry point by entry point.
 
-When only part of a program is redirected (``spmd.compat.redirect``), a mesh, DTensor, placement or
+When only part of a program is redirected (the import redirect of docs/compat.md), a mesh, DTensor, placement or
 parallel style built by torch's DTensor can reach spmd. Each test builds torch's objects on the same
 rank threads as spmd's (the threaded world is c10d's default group there), passes them to one spmd
 entry point and reads the ``MixedDTensorLibrariesError``: it names the entry point and argument,
 torch's class, the object, and the fix. The last tests show what already works across the two
-libraries and so needs no error.
+libraries and so needs no error (the functional collectives' stand-in is tested in
+tests/compat/test_mixed_objects.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def assert_explains(message: str, where: str, torch_class: str) -> None:
     """The message names the entry point and argument, torch's class, both libraries and the fix."""
     assert message.startswith(f"{where} got torch's {torch_class} "), message
     assert "spmd.tensor and torch.distributed.tensor are separate DTensor libraries" in message
-    assert 'spmd.compat.redirect("<package>")' in message
+    assert '.compat.redirect("<package>") before the package is imported' in message
 
 
 TORCH_MESH = "torch.distributed.device_mesh.DeviceMesh"
@@ -299,14 +300,3 @@ def test_torchs_dcp_saves_spmd_dtensors_that_torchs_dtensors_load() -> None:
         for loaded in run_threaded(program, 2, path):
             torch.testing.assert_close(loaded, torch.arange(16.0).reshape(4, 4))
 
-
-def test_functional_collectives_stand_in_takes_torchs_mesh() -> None:
-    """Inside a redirected package funcol is spmd's stand-in; torch's mesh still passes on to torch's own."""
-    import spmd.compat.functional_collectives as funcol
-
-    def program() -> torch.Tensor:
-        total = funcol.all_reduce(torch.ones(3), "sum", torch_init_device_mesh("cpu", (2,)))
-        return funcol.wait_tensor(total)
-
-    for total in run_threaded(program, 2):
-        torch.testing.assert_close(total, torch.full((3,), 2.0))
