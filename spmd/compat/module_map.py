@@ -24,6 +24,7 @@ __all__ = [
     "PUBLIC_API_MODULES",
     "NAMES",
     "REEXPORTS",
+    "SHADOWED",
     "SPMD_ROOTS",
     "TORCH_FALLBACK",
     "ModuleKind",
@@ -110,6 +111,11 @@ REEXPORTS: dict[str, dict[str, str]] = {
 """torch packages that stay torch's but re-export DTensor names: {package: {name: spmd module}}. Inside a
 redirected package those names are spmd's however they are reached (``from torch.distributed import
 DeviceMesh``, ``dist.init_device_mesh(...)``); the package's other names stay torch's."""
+
+SHADOWED = frozenset({"torch.distributed._composable.fsdp.fully_shard"})
+"""Modules of ``MODULES`` that torch's parent package shadows with a same-named attribute: in torch,
+``torch.distributed._composable.fsdp.fully_shard`` (an attribute chain, or ``from ... import fully_shard``)
+is the function, not the module. There the redirect gives the spmd module's attribute too."""
 
 TORCH_FALLBACK = frozenset({"torch.distributed.fsdp"})
 """Modules of ``NAMES`` whose other names stay torch's (FSDP1, wrap policies)."""

@@ -14,7 +14,7 @@ import types
 from collections.abc import MutableMapping
 from typing import Any
 
-from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, classify, reexport
+from spmd.compat.module_map import MODULES, NAMES, SHADOWED, TORCH_FALLBACK, classify, reexport
 
 __all__ = ["NoSpmdEquivalentError", "RedirectedNames", "module", "names", "reexported", "star"]
 
@@ -116,7 +116,7 @@ def names(torch_module: str, wanted: tuple[str, ...], importer: str) -> tuple[An
             continue
         submodule = f"{torch_module}.{name}"
         listed = name in NAMES.get(torch_module, {})
-        if not listed and (submodule in MODULES or submodule in NAMES):
+        if not listed and submodule not in SHADOWED and (submodule in MODULES or submodule in NAMES):
             found.append(module(submodule, importer))
             continue
         source = module(torch_module, importer)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 
-from spmd.compat.module_map import MODULES, NAMES, TORCH_FALLBACK, ModuleKind, classify, reexport
+from spmd.compat.module_map import MODULES, NAMES, SHADOWED, TORCH_FALLBACK, ModuleKind, classify, reexport
 
 __all__ = ["RESOLVER", "rewrite_imports"]
 
@@ -166,10 +166,15 @@ class _ImportRewriter(ast.NodeTransformer):
         parts = _dotted(node)
         if parts is None or parts[0] not in self.aliases:
             return self.generic_visit(node)  # type: ignore[return-value]
-        full = [*self.aliases[parts[0]].split("."), *parts[1:]]
+        bound = self.aliases[parts[0]].split(".")
+        full = [*bound, *parts[1:]]
         # The longest prefix that is a module of the map; the rest are attributes of what it resolves to.
-        for end in range(len(full), 1, -1):
+        # It reaches past what the name is bound to: an alias of a torch object inside a mapped module
+        # (FSDP1's class in torch.distributed.fsdp) was imported as torch's, and so are its attributes.
+        for end in range(len(full), len(bound), -1):
             prefix = ".".join(full[:end])
+            if prefix in SHADOWED:
+                continue  # torch's package has an attribute of that name, not the module
             if (prefix in MODULES or prefix in NAMES) and self._kind(prefix) is not None:
                 resolved = self._module(prefix)
                 break

@@ -40,12 +40,8 @@ FORMS = [
     ("from torch.distributed.device_mesh import DeviceMesh", "torch.distributed.device_mesh.DeviceMesh", "spmd.tensor.device_mesh.DeviceMesh"),
     ("import torch\nx = torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.fully_shard", "spmd.fsdp.fully_shard"),
     ("from torch.distributed.fsdp import FSDPModule", "torch.distributed.fsdp.FSDPModule", "spmd.fsdp.FSDPModule"),
-    pytest.param(
-        "from torch.distributed._composable.fsdp import fully_shard", "torch.distributed._composable.fsdp.fully_shard", "spmd.fsdp.fully_shard",
-        marks=pytest.mark.xfail(strict=True, reason="redirect bug the audit found: resolve.names gives the module spmd.fsdp, as "
-                                "MODULES lists torch's submodule _composable.fsdp.fully_shard, which torch's package shadows with the function"),
-        id="from torch.distributed._composable.fsdp import fully_shard",
-    ),
+    ("from torch.distributed._composable.fsdp import fully_shard", "torch.distributed._composable.fsdp.fully_shard", "spmd.fsdp.fully_shard"),
+    ("import torch\nx = torch.distributed._composable.fsdp.fully_shard", "torch.distributed._composable.fsdp.fully_shard", "spmd.fsdp.fully_shard"),
     ("from torch.distributed.fsdp._fully_shard import MixedPrecisionPolicy", "torch.distributed.fsdp._fully_shard.MixedPrecisionPolicy", "spmd.fsdp.MixedPrecisionPolicy"),
     ("from torch.distributed.checkpoint.state_dict import get_model_state_dict", "torch.distributed.checkpoint.state_dict.get_model_state_dict", "spmd.checkpoint.state_dict.get_model_state_dict"),
     ("import torch.distributed.checkpoint as dcp\nx = dcp.state_dict.StateDictOptions", "torch.distributed.checkpoint.state_dict.StateDictOptions", "spmd.checkpoint.state_dict.StateDictOptions"),
@@ -65,12 +61,6 @@ def test_every_import_form_and_attribute_chain_is_found(third_party, source, nam
     assert used[name].places[0].file == f"{package}/__init__.py"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="redirect bug the audit found: rewrite.visit_Attribute resolves FSDP.fsdp_modules, with FSDP bound to torch's "
-    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel, as torch.distributed.fsdp.fsdp_modules "
-    "(it drops the alias's parts past the mapped module)",
-)
 def test_a_chain_through_an_alias_of_a_torch_object_stays_torch(third_party):
     package = third_party(
         {
