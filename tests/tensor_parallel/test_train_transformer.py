@@ -14,6 +14,7 @@ import torch
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.placement import _StridedShard
 from spmd.testing import load_script, run_threaded, run_torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py"
@@ -59,7 +60,7 @@ def test_fsdp_main_check_prints_memory_and_collectives(capsys: pytest.CaptureFix
 
 
 def test_fsdp_threaded_losses_and_layouts() -> None:
-    """fully_shard per block and on the root: dp shards every parameter on a dim tp does not cut."""
+    """fully_shard per block and on the root: dp shards dim 0 of every parameter (FSDP2's), inside tp's cut of it."""
     cfg = demo.Config(steps=3, fsdp=True)
     expected = demo.train_single_device(cfg)
 
@@ -71,9 +72,10 @@ def test_fsdp_threaded_losses_and_layouts() -> None:
 
     losses, placements = run_threaded(run, 4)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
-    assert placements["layers.0.attn.q.weight"] == (Shard(1), Shard(0))  # column-wise: tp has dim 0
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    assert placements["layers.0.attn.q.weight"] == strided  # column-wise: tp cuts dim 0 too
     assert placements["layers.0.mlp.down.weight"] == (Shard(0), Shard(1))  # row-wise
-    assert placements["tok_emb.weight"] == (Shard(1), Shard(0))  # vocab rows over tp
+    assert placements["tok_emb.weight"] == strided  # vocab rows over tp
     assert placements["pos_emb"] == (Shard(0), Replicate())
     assert placements["layers.0.attn_norm.weight"] == (Shard(0), Replicate())
 
