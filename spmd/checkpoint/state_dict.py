@@ -69,6 +69,10 @@ DictValueType = dict[str, ValueType]
 ListDictValueType = list[DictValueType]
 OptimizerStateType = dict[str, DictValueType | ListDictValueType]
 
+_init_optim_state = init_optimizer_state
+"""torch's private name for ``init_optimizer_state``, which torchtune calls before loading an
+optimizer's state."""
+
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 """Tensor types that are never torch's DTensor (no need to look further)."""
 

@@ -50,7 +50,7 @@ MODULES: dict[str, str] = {
     # torch's old package path, kept by torch as an alias of torch.distributed.tensor
     "torch.distributed._tensor": "spmd.tensor",
     "torch.distributed._tensor.api": "spmd.tensor",
-    "torch.distributed._tensor.placement_types": "spmd.tensor.placement",
+    "torch.distributed._tensor.placement_types": "spmd.compat.old_placement_types",
     "torch.distributed._tensor.device_mesh": "spmd.tensor.device_mesh",
     "torch.distributed._tensor.experimental": "spmd.tensor.experimental",
     "torch.distributed.device_mesh": "spmd.tensor.device_mesh",

@@ -351,3 +351,23 @@ def test_a_2d_mesh_as_a_functional_collectives_group_names_the_fix(third_party):
     module = importlib.import_module(pkg)
     with pytest.raises(ValueError, match=r"2-d .* pass \(mesh, dim\)"):
         run_threaded(lambda: module.global_sums(0), 4)
+
+
+OLD_PATHS = """
+from torch.distributed._tensor.placement_types import DTensorSpec, Shard, TensorMeta, _StridedShard
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+"""
+
+
+def test_names_torchtune_takes_from_torchs_old_and_private_paths(third_party):
+    # torchtune 0.6: DTensorSpec and TensorMeta from the old placement_types, and DCP's private
+    # _init_optim_state (a zero step that creates the optimizer's state before loading into it).
+    module = importlib.import_module(third_party({"__init__.py": OLD_PATHS}))
+    assert module.DTensorSpec is spmd.tensor.spec.DTensorSpec and module.TensorMeta is spmd.tensor.spec.TensorMeta
+    assert module.Shard is spmd.tensor.Shard and module._StridedShard is _StridedShard
+    linear = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(linear.parameters(), lr=0.1)
+    before = linear.weight.detach().clone()
+    module._init_optim_state(optimizer)
+    assert set(optimizer.state[linear.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert torch.equal(linear.weight, before) and linear.weight.grad is None
