@@ -313,6 +313,14 @@ class DeviceMesh:
         it was built directly); a slice of a slice knows the same root."""
         return self if self._root is None else self._root
 
+    @property
+    def _flatten_mapping(self) -> dict[str, DeviceMesh]:
+        """The dims ``_flatten`` made on this root mesh, by name (torch's attribute, which Megatron-FSDP
+        reads to list a mesh's dim names); empty on a mesh cut from another, as on torch."""
+        if self._root is not None:
+            return {}
+        return {name: self[name] for name in self._flattened_dims()}
+
     def _slice(self, layouts: tuple[DimLayout, ...], names: tuple[str, ...]) -> DeviceMesh:
         """The caller's mesh whose dim ``i`` lies at ``layouts[i]`` in this root mesh's rank list."""
         axes = [axis for layout in layouts for axis in layout]

@@ -152,6 +152,8 @@ class UnflattenTest(DTensorTestBase):
         dp_tp = split["dp", "tp"]._flatten("dp_tp")
         self.assertEqual(dp_tp._unflatten(0, (2, 2), ("dp", "tp")), split["dp", "tp"])
         self.assertEqual(mesh["dp_tp"], dp_tp)  # flattened dims are named on the root
+        self.assertEqual(mesh._flatten_mapping, {"dp_tp": dp_tp})  # as torch lists them (Megatron reads it)
+        self.assertEqual(split._flatten_mapping, {})
         # a redistribute over both dims of the unflattened mesh uses the flattened group
         partial = DTensor.from_local(torch.ones(4), split["dp", "tp"], [Partial(), Partial()])
         with CommDebugMode() as comm:
