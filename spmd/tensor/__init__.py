@@ -7,8 +7,17 @@ from spmd.tensor import (
     ops,  # noqa: F401  (registers every sharding rule)
     serialization,  # noqa: F401  (lets torch.load(weights_only=True) rebuild DTensors)
 )
-from spmd.tensor.api import _shard_tensor as _shard_tensor  # torch's _api maps here whole (compat/module_map.py)
-from spmd.tensor.api import distribute_module, distribute_tensor, empty, full, ones, rand, randn, zeros
+from spmd.tensor.api import (  # _shard_tensor: torch's private _api module maps here whole
+    _shard_tensor,  # noqa: F401
+    distribute_module,
+    distribute_tensor,
+    empty,
+    full,
+    ones,
+    rand,
+    randn,
+    zeros,
+)
 from spmd.tensor.debug.check import COLLECTIVE_CHECK
 from spmd.tensor.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor.dispatch import DISPATCHER

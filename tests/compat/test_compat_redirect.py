@@ -22,6 +22,7 @@ import spmd.tensor
 import spmd.tensor.random
 import spmd.tensor_parallel
 from spmd.compat import NoSpmdEquivalentError, RedirectError
+from spmd.compat.module_map import MODULES, NAMES, REEXPORTS
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.placement import _StridedShard
 from spmd.testing import run_threaded
@@ -133,7 +134,7 @@ def test_star_imports_and_module_aliases_of_fsdp_take_fsdp2_from_spmd_and_fsdp1_
     assert "__spmd_compat__" not in spmd.tensor.__all__
 
 
-REEXPORTS = """
+REEXPORTING = """
 import torch
 import torch.distributed as dist
 from torch import distributed
@@ -151,14 +152,14 @@ def torch_names_by_chain():
 
 def test_torch_distributed_reexports_of_the_mesh_are_spmds_inside_and_torchs_outside(third_party):
     # Hugging Face transformers builds its meshes with torch.distributed.init_device_mesh(...).
-    inside = importlib.import_module(third_party({"__init__.py": REEXPORTS}))
+    inside = importlib.import_module(third_party({"__init__.py": REEXPORTING}))
     assert inside.DeviceMesh is spmd.tensor.DeviceMesh and inside.make_mesh is spmd.tensor.init_device_mesh
     mesh_names = (spmd.tensor.init_device_mesh, spmd.tensor.DeviceMesh, spmd.tensor.init_device_mesh)
     assert inside.meshes_by_chain() == mesh_names
     assert inside.torch_names_by_chain() == (dist.all_reduce, spmd.tensor.DTensor)
     assert inside.ProcessGroup is dist.ProcessGroup and inside.dist is dist  # the package itself stays torch's
 
-    outside = importlib.import_module(third_party({"__init__.py": REEXPORTS}, redirect=False))
+    outside = importlib.import_module(third_party({"__init__.py": REEXPORTING}, redirect=False))
     assert outside.DeviceMesh is dist.DeviceMesh and outside.meshes_by_chain()[0] is dist.init_device_mesh
 
 
@@ -371,3 +372,11 @@ def test_names_torchtune_takes_from_torchs_old_and_private_paths(third_party):
     module._init_optim_state(optimizer)
     assert set(optimizer.state[linear.weight]) == {"step", "exp_avg", "exp_avg_sq"}
     assert torch.equal(linear.weight, before) and linear.weight.grad is None
+
+
+def test_every_name_the_map_lists_exists_in_spmd():
+    for torch_module, names in {**NAMES, **REEXPORTS}.items():
+        for name, spmd_module in names.items():
+            assert hasattr(importlib.import_module(spmd_module), name), f"{torch_module}.{name} -> {spmd_module}"
+    for spmd_module in MODULES.values():
+        importlib.import_module(spmd_module)

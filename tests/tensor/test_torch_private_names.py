@@ -2,18 +2,16 @@
 
 Code written against torch imports a few names from torch's private modules (``_api._shard_tensor``,
 ``_collective_utils.unpad_tensor``, ``_redistribute.redistribute_local_tensor`` ...);
-``spmd.compat.module_map`` sends each to the spmd function tested here.
+the redirect's module map sends each to the spmd function tested here (tests/compat checks the map).
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
 import torch
 
-from spmd.compat.module_map import NAMES
 from spmd.tensor import DTensor, Partial, Replicate, Shard, _shard_tensor, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode, _clear_sharding_prop_cache
 from spmd.tensor.dispatch import DISPATCHER
@@ -148,11 +146,3 @@ def test_tensor_meta_names_a_stride_method_passed_by_mistake() -> None:
     t = torch.ones(2, 3)
     with pytest.raises(TypeError, match=r"pass tensor.stride\(\)"):
         TensorMeta(t.shape, t.stride, t.dtype)  # type: ignore[arg-type]
-
-
-def test_mapped_private_names_exist_in_spmd() -> None:
-    for torch_module, names in NAMES.items():
-        if not torch_module.startswith("torch.distributed.tensor."):
-            continue
-        for name, spmd_module in names.items():
-            assert hasattr(importlib.import_module(spmd_module), name), f"{torch_module}.{name} -> {spmd_module}"
