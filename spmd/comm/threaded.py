@@ -3,7 +3,9 @@
 Every collective is built on one primitive, ``exchange``: each member deposits a value for its n-th
 call on the group, waits until all members have deposited, and reads all of them. A rank that
 raises aborts the world, so the others stop waiting at once; a wait longer than ``timeout``
-raises ``CollectiveTimeoutError`` naming the ranks that never arrived.
+raises ``CollectiveTimeoutError`` naming the ranks that never arrived. Point-to-point messages
+(c10d's ``send``/``recv``) go through the world's ``Mailbox`` (``threaded_p2p``), which the same
+failure releases and the same timeout bounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from spmd.comm.base import (
     reduce_stack,
 )
 from spmd.comm.threaded_c10d import ThreadedProcessGroup, new_process_group
+from spmd.comm.threaded_p2p import Mailbox
 from spmd.compile.properties import traceable_property
 
 __all__ = [
@@ -98,6 +101,8 @@ class ThreadedWorld(World):
         self._communicators: dict[tuple[int, ...], ThreadedCommunicator] = {}
         self._process_groups: dict[tuple[int, ...], ThreadedProcessGroup] = {}
         self._failure: tuple[int, BaseException] | None = None
+        self.mailbox = Mailbox(lambda: self._failure)
+        """Point-to-point messages between the ranks (c10d's ``send``/``recv`` on this world's groups)."""
         self.is_default_group = False
         """Whether this world is c10d's default group (``run_threaded`` makes it so when it can)."""
 
@@ -161,6 +166,7 @@ class ThreadedWorld(World):
             for rnd in self._rounds.values():
                 rnd.done.set()
                 rnd.sides_done.set()
+        self.mailbox.wake()
 
     def exchange(
         self,

@@ -12,7 +12,10 @@ While ``run_threaded`` runs (and no other default group exists), the world's def
 these, started with ``init_process_group`` under the registered backend name ``"spmd_threads"``, so
 ``dist.get_rank()``, ``dist.is_initialized()`` and DCP's own coordination see the rank thread's world.
 Mesh groups are made with ``dist.new_group``, so c10d knows their ranks and name and the functional
-collectives find them. Point-to-point calls (``send``/``recv``) are not offered.
+collectives find them. Point-to-point calls (``send``/``recv``, ``isend``/``irecv``,
+``batch_isend_irecv``) go through the world's mailbox (``threaded_p2p``): c10d hands the group the
+peer's rank in the group, and the message is matched by group, pair of ranks and tag. A send is
+complete when it returns; a receive's ``Work`` waits for its message on ``wait()``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.comm.base import active_world, reduce_stack
+from spmd.comm.threaded_p2p import Mailbox, Receipt
 
 __all__ = ["BACKEND_NAME", "ThreadedProcessGroup", "default_group_of", "new_process_group"]
 
@@ -38,6 +42,8 @@ class RankThreads(Protocol):
 
     size: int
     backend_name: str
+    timeout: float
+    mailbox: Mailbox
 
     def rank_or_none(self) -> int | None: ...
 
@@ -49,6 +55,7 @@ class GroupExchange(Protocol):
 
     ranks: tuple[int, ...]
     size: int
+    timeout_s: float | None
 
     @property
     def world(self) -> RankThreads: ...
@@ -281,13 +288,87 @@ class ThreadedProcessGroup(_ProcessGroup):  # type: ignore[misc]
         self._exchange("barrier", None)
         return _Done()
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError(
-            "point-to-point send/recv is not offered on spmd's threaded world; run the program under "
-            "torchrun (gloo) for pipeline-style communication"
-        )
+    # ----- point-to-point ---------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        """Leave a copy of ``tensors`` for group rank ``dstRank``; complete at once (the receiver need not wait)."""
+        ranks = self.communicator.ranks
+        self.communicator.world.mailbox.send(ranks, self._my_global_rank(), self._peer(dstRank, "dst"), tag, tensors)
+        return _Done(tensors)
 
-    recv = send
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        """Reserve the next message from group rank ``srcRank``; the ``Work``'s ``wait()`` fills ``tensors``."""
+        return self._post_receive(tensors, self._peer(srcRank, "src"), tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """Receive the first message any rank of the group sends with ``tag``."""
+        return self._post_receive(tensors, None, tag)
+
+    def _post_receive(self, tensors: list[torch.Tensor], sender: int | None, tag: int) -> dist.Work:
+        mailbox = self.communicator.world.mailbox
+        receipt = mailbox.post_receive(self.communicator.ranks, sender, self._my_global_rank(), tag)
+        return _Receive(self, receipt, tensors)
+
+    def _my_global_rank(self) -> int:
+        rank = self.communicator.world.rank_or_none()
+        if rank is None or rank not in self.communicator.ranks:
+            raise RuntimeError(f"{self!r}: point-to-point calls come from the rank threads of its group")
+        return rank
+
+    def _peer(self, group_rank: int, role: str) -> int:
+        """The global rank of group rank ``group_rank`` (c10d passes peers as ranks in the group)."""
+        ranks = self.communicator.ranks
+        if not 0 <= group_rank < len(ranks):
+            raise ValueError(f"{role} rank {group_rank} is not in {self!r}; use a rank in [0, {len(ranks) - 1}]")
+        return ranks[group_rank]
+
+
+class _Receive(dist.Work):
+    """A posted receive: ``wait()`` blocks until its message arrives (bounded by the group's timeout)."""
+
+    def __init__(self, group: ThreadedProcessGroup, receipt: Receipt, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._group, self._receipt, self._tensors = group, receipt, tensors
+        self._sender: int | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._sender is not None:
+            return True
+        communicator = self._group.communicator
+        limit = timeout.total_seconds() if timeout else communicator.timeout_s or communicator.world.timeout
+        sender, message = communicator.world.mailbox.take(self._receipt, limit)
+        if len(message) != len(self._tensors):
+            raise ValueError(
+                f"rank {self._receipt.receiver}: rank {sender} sent {len(message)} tensors into {len(self._tensors)} buffers"
+            )
+        with torch.no_grad():
+            for buffer, sent in zip(self._tensors, message):
+                if buffer.dtype != sent.dtype or buffer.numel() != sent.numel():
+                    raise ValueError(
+                        f"rank {self._receipt.receiver}: rank {sender} sent {sent.dtype}{list(sent.shape)} (tag "
+                        f"{self._receipt.tag}) into a {buffer.dtype}{list(buffer.shape)} receive buffer; the "
+                        "buffer must have the sent tensor's dtype and number of elements"
+                    )
+                buffer.copy_(sent.reshape(buffer.shape))
+        self._sender = sender
+        return True
+
+    def is_completed(self) -> bool:
+        return self._sender is not None or self._group.communicator.world.mailbox.ready(self._receipt)
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._tensors
+
+    def _source_rank(self) -> int:
+        """The sender's rank in the group (what ``dist.recv(src=None)`` asks after waiting)."""
+        self.wait()
+        assert self._sender is not None
+        return self._group.communicator.ranks.index(self._sender)
+
+    source_rank = _source_rank
 
 
 # ----- the backend and the default group -----------------------------------------------------------
