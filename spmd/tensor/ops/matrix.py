@@ -11,7 +11,8 @@ Products are written as einsum signatures; each index letter gives one candidate
        P output -> P bias, so the bias is added once)
   attention (q, k, v):  batch/heads S(d) on all -> S(d) (grouped kv heads only if they split
        evenly);  q S(L), k, v R -> S(L) without a causal mask;  v P -> out P;  each shard only
-       where no rank's piece would be empty;  backward: the same, dk and dv P(sum) for q S(L)
+       where no rank's piece would be empty;  backward: the same, dk and dv P(sum) for q S(L);
+       q, k, v S(L) -> out, lse S(L), causal too (context parallel: spmd/tensor/attention/ring.py)
   t / transpose(a, b):  S(a) -> S(b), S(b) -> S(a), other placements unchanged
   linalg (det, slogdet, inv, solve, lu_factor, lu_solve, svd, eigh, cholesky, qr), A (*, m, n):
        S(b) for a batch dim b on every operand -> S(b) on every output (pivots, info and singular
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spmd.tensor.attention.ring import ring_backward_local, ring_forward_local
 from spmd.tensor.ops.common import LINEAR_PARTIALS, PARTIALS, R, normalize_dim, surviving_shards
 from spmd.tensor.placement import Partial, Placement, Shard, shard_sizes
 from spmd.tensor.sharding.registry import register_rule
@@ -219,6 +221,16 @@ def _attention_candidates(
             candidates.append(one(ins, (Shard(seq), SUM, SUM), Shard(seq)))
         else:
             candidates.append(one((Shard(seq), R, R), (Shard(seq), Shard(seq)), Shard(seq)))
+    # Context parallel: q, k, v all S(L); the local_impl gathers k, v and places each row by its
+    # global position (attention/ring.py), so a causal mask is exact too.
+    same_length = q.shape[seq] == k.shape[seq]
+    if mask is None and (same_length or not is_causal) and all(
+        no_empty_shards(t.shape[seq], mesh_shape) for t in (q, k)
+    ):
+        if backward:
+            candidates.append(one((Shard(seq),) * 6, (Shard(seq),) * 3, R))
+        else:
+            candidates.append(one((Shard(seq),) * 3, (Shard(seq),) * 2, R))
     # Linear in v (forward) and in the incoming gradient (backward); the mask stays replicated.
     for p in LINEAR_PARTIALS:
         if backward:
@@ -228,17 +240,19 @@ def _attention_candidates(
     return candidates
 
 
-@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default, local_impl=ring_forward_local)
 def sdpa_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """attention: q,k,v S(batch|heads) -> out, lse S(same); q S(L), k,v R -> S(L) unless causal; v P -> P."""
+    """attention: q,k,v S(batch|heads) -> out, lse S(same); q S(L), k,v R -> S(L) unless causal;
+    q,k,v S(L) -> S(L) (context parallel); v P -> P."""
     mask = call.kwargs.get("attn_mask")
     return _attention_candidates(call, call.input_specs, mask if isinstance(mask, DTensorSpec) else None,
                                  backward=False)
 
 
-@register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, local_impl=ring_backward_local)
 def sdpa_backward_rule(call: OpCall) -> Sequence[OpStrategy]:
-    """attention backward: all S(batch|heads) -> grads S(same); q rows S(L) -> dq S(L), dk, dv P(sum)."""
+    """attention backward: all S(batch|heads) -> grads S(same); q rows S(L) -> dq S(L), dk, dv P(sum);
+    all S(L) -> grads S(L) (context parallel)."""
     mask = call.kwargs.get("attn_mask")
     return _attention_candidates(call, call.input_specs, mask if isinstance(mask, DTensorSpec) else None,
                                  backward=True)
