@@ -201,36 +201,34 @@ def _attention_candidates(
     candidates = [one((R,) * n_in, (R,) * n_out, R)]
     mesh_shape = q.mesh.shape
     # Batch dims (batch, heads): every tensor has them at the same index, and nothing mixes across them.
-    # Only the mesh dims that may end up sharding a dim are checked (``surviving_shards``).
+    # Context parallel: q, k, v all S(L); the local_impl gathers k, v and places each row by its
+    # global position (attention/ring.py), so a causal mask is exact too. Only the mesh dims that may
+    # end up sharding a dim are checked (``surviving_shards``); a kept sequence shard frees none.
     tensors = specs[1:4] if backward else specs[:3]
+    seq = ndim - 2
+    context_parallel = mask is None and (q.shape[seq] == k.shape[seq] or not is_causal)
 
     def keeps(d: int, cuts: tuple[int, ...]) -> bool:
+        if d == seq:
+            return context_parallel and no_empty_shards(q.shape[seq], cuts) and no_empty_shards(k.shape[seq], cuts)
         if q.shape[d] == k.shape[d] == v.shape[d] and no_empty_shards(q.shape[d], cuts):
             return True
         return d == ndim - 3 and _grouped_heads_split_evenly(q.shape[d], k.shape[d], v.shape[d], cuts)
 
-    candidates += [
-        one((Shard(d),) * n_in, (Shard(d),) * n_out, Shard(d))
-        for d in sorted(surviving_shards(tensors, range(ndim - 2), keeps))
-    ]
+    for d in sorted(surviving_shards(tensors, range(ndim - 1), keeps)):
+        if d != seq:
+            candidates.append(one((Shard(d),) * n_in, (Shard(d),) * n_out, Shard(d)))
+        elif backward:
+            candidates.append(one((Shard(seq),) * 6, (Shard(seq),) * 3, R))
+        else:
+            candidates.append(one((Shard(seq),) * 3, (Shard(seq),) * 2, R))
     # Query rows are independent unless a causal mask ties row i to key positions (global indices).
-    seq = ndim - 2
     if not is_causal and no_empty_shards(q.shape[seq], mesh_shape):
         if backward:  # grad, q, k, v, out, lse: lse has the query rows at the same index too
             ins = (Shard(seq), Shard(seq), R, R, Shard(seq), Shard(seq))
             candidates.append(one(ins, (Shard(seq), SUM, SUM), Shard(seq)))
         else:
             candidates.append(one((Shard(seq), R, R), (Shard(seq), Shard(seq)), Shard(seq)))
-    # Context parallel: q, k, v all S(L); the local_impl gathers k, v and places each row by its
-    # global position (attention/ring.py), so a causal mask is exact too.
-    same_length = q.shape[seq] == k.shape[seq]
-    if mask is None and (same_length or not is_causal) and all(
-        no_empty_shards(t.shape[seq], mesh_shape) for t in (q, k)
-    ):
-        if backward:
-            candidates.append(one((Shard(seq),) * 6, (Shard(seq),) * 3, R))
-        else:
-            candidates.append(one((Shard(seq),) * 3, (Shard(seq),) * 2, R))
     # Linear in v (forward) and in the incoming gradient (backward); the mask stays replicated.
     for p in LINEAR_PARTIALS:
         if backward:
