@@ -44,6 +44,13 @@ MODULES: dict[str, str] = {
     "torch.distributed.tensor.experimental": "spmd.tensor.experimental",
     "torch.distributed.tensor.experimental._func_map": "spmd.tensor.experimental._local_map",
     "torch.distributed.tensor.experimental._register_sharding": "spmd.tensor.experimental._register_sharding",
+    "torch.distributed.tensor.experimental._attention": "spmd.tensor.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel._attention": (
+        "spmd.tensor.experimental._context_parallel._attention"
+    ),
+    "torch.distributed.tensor.experimental._context_parallel._load_balancer": (
+        "spmd.tensor.experimental._context_parallel._load_balancer"
+    ),
     "torch.distributed.tensor.debug": "spmd.tensor.debug",
     "torch.distributed.tensor.debug._comm_mode": "spmd.tensor.debug.comm_mode",
     "torch.distributed.tensor.debug._visualize_sharding": "spmd.tensor.debug.visualize",

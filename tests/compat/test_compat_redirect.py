@@ -114,7 +114,7 @@ def test_every_import_form_gets_spmd_objects(third_party):
     assert forms.fully_shard is spmd.fsdp.fully_shard
     assert forms.FullyShardedDataParallel is torch_fsdp.FullyShardedDataParallel
     assert forms.dcp is dcp and forms.ProcessGroup is dist.ProcessGroup
-    assert forms.context_parallel is None  # spmd has no ring attention; the package's fallback ran
+    assert forms.context_parallel is spmd.tensor.experimental.context_parallel  # torch's path, spmd's ring attention
     assert torch_dtensor.DTensor is not spmd.tensor.DTensor  # torch itself is untouched
 
 
