@@ -4,11 +4,15 @@ A GPT-style decoder at any size: token and position embeddings, pre-norm blocks 
 attention with q/k/v/out projections, a 4x GELU MLP), a final norm and an untied head. It is plain
 torch, so the same code runs on one device, on DTensors and on meta tensors. ``tp_plan`` is Megatron
 tensor parallelism as torchtitan writes it for Llama; ``apply_tp_and_dp`` adds data parallelism over
-``dp``, replicated or fully sharded. One copy, so the demo and the simulator cannot drift apart.
+``dp``, replicated or fully sharded. ``pipeline_stage`` cuts it into pipeline stages and
+``stage_tp_plan`` is ``tp_plan`` for one stage, whose boundary activations are plain local pieces, so
+torch's pipeline schedules carry them unchanged. One copy, so the demo and the simulator cannot drift apart.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -21,6 +25,8 @@ from spmd.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -32,7 +38,10 @@ __all__ = [
     "MLP",
     "Block",
     "GPT",
+    "GPTStage",
+    "pipeline_stage",
     "tp_plan",
+    "stage_tp_plan",
     "replicate_over_dp",
     "apply_fsdp",
     "apply_tp_and_dp",
@@ -119,6 +128,43 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT: the embeddings (first stage), a run of blocks, the norm and head (last).
+
+    Parameter names are the whole model's (``layers.2.attn.q.weight`` on the stage that holds block 2),
+    so a stage's parameters and gradients compare with one device's by name.
+    """
+
+    def __init__(self, model: GPT, layer_ids: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb = copy.deepcopy(model.tok_emb)
+            self.pos_emb = nn.Parameter(model.pos_emb.detach().clone())
+        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layer_ids})
+        if last:
+            self.norm, self.lm_head = copy.deepcopy(model.norm), copy.deepcopy(model.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens to activations (first stage), activations to activations, or to logits (last stage)."""
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+def pipeline_stage(model: GPT, stage: int, n_stages: int) -> GPTStage:
+    """Stage ``stage`` of ``n_stages``, holding copies of its share of ``model``'s blocks (earlier stages
+    take the extra ones when they do not divide evenly), as torchtitan cuts Llama for pipelining."""
+    if not 0 <= stage < n_stages <= len(model.layers):
+        raise ValueError(f"stage {stage} of {n_stages} does not fit a GPT of {len(model.layers)} blocks")
+    per_stage, extra = divmod(len(model.layers), n_stages)
+    start = stage * per_stage + min(stage, extra)
+    layer_ids = range(start, start + per_stage + (stage < extra))
+    return GPTStage(model, layer_ids, first=stage == 0, last=stage == n_stages - 1)
+
+
 # ----- 2-d parallelism: tensor parallel over "tp", data parallel over "dp" -----------------------
 def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Megatron tensor parallelism for the GPT, as torchtitan writes it for Llama.
@@ -145,6 +191,48 @@ def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
     if sequence_parallel:
         plan.update({name: SequenceParallel() for name in ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")})
+    return plan
+
+
+def stage_tp_plan(stage: GPTStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """``tp_plan`` for one pipeline stage on its own 1-d tp mesh, its boundary activations plain local pieces.
+
+    Inside the stage the residual stream stays DTensors (every style's ``use_local_output=False``, as
+    on the demo's 2-d mesh), since the model's attention reads the global shape. At the stage's edges,
+    styles on the stage itself hand the output on as this rank's local piece (``to_local``) and read
+    the input received as this rank's piece of the same layout (``from_local``): torch's pipeline
+    schedules send, receive and rebuild plain tensors only, and the gradient that travels back is the
+    local piece of the activation's gradient in that layout. The last stage's head gathers its logits
+    (``Replicate()``, handed out local), so the loss is plain cross-entropy on every rank.
+    Call ``replicate_over_dp(stage, tp_mesh)`` after it, so the norms and the position embedding are
+    replicated DTensors too.
+    """
+    activations: Placement = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        key: dataclasses.replace(style, use_local_output=False)  # type: ignore[type-var]
+        for key, style in tp_plan(sequence_parallel=sequence_parallel).items()
+    }
+    if not stage.first:
+        del plan["tok_emb"]
+    if stage.last:
+        plan["lm_head"] = ColwiseParallel(input_layouts=activations, output_layouts=Replicate(), use_local_output=True)
+    else:
+        plan.pop("lm_head")
+        plan.pop("norm", None)
+    if not stage.first and not stage.last:
+        plan[""] = PrepareModuleInputOutput(
+            input_layouts=activations,
+            desired_input_layouts=activations,
+            output_layouts=activations,
+            desired_output_layouts=activations,
+            use_local_output=True,
+        )
+    elif not stage.first:
+        plan[""] = PrepareModuleInput(input_layouts=activations, desired_input_layouts=activations)
+    elif not stage.last:
+        plan[""] = PrepareModuleOutput(
+            output_layouts=activations, desired_output_layouts=activations, use_local_output=True
+        )
     return plan
 
 
