@@ -54,11 +54,6 @@ DIFFERENCES: dict[str, str] = {
     "torch.distributed.device_mesh.init_device_mesh": (
         "no backend_override (one backend per world); extra timeout= bounding every collective on the mesh"
     ),
-    # spmd.tensor.experimental
-    "torch.distributed.tensor.experimental.context_parallel": (
-        "not offered: context-parallel attention (ring attention over a sequence-sharded dim, patching "
-        "SDPA and buffers in place) is a parallelism of its own, not a DTensor primitive"
-    ),
 }
 
 # torch's Placement is a C++ class: its methods have no Python signature, so only their names are
