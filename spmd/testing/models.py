@@ -194,7 +194,9 @@ def tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def stage_tp_plan(stage: GPTStage, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def stage_tp_plan(
+    stage: GPTStage, *, sequence_parallel: bool, vocab_parallel_logits: bool = False
+) -> dict[str, ParallelStyle]:
     """``tp_plan`` for one pipeline stage on its own 1-d tp mesh, its boundary activations plain local pieces.
 
     Inside the stage the residual stream stays DTensors (every style's ``use_local_output=False``, as
@@ -203,7 +205,8 @@ def stage_tp_plan(stage: GPTStage, *, sequence_parallel: bool) -> dict[str, Para
     the input received as this rank's piece of the same layout (``from_local``): torch's pipeline
     schedules send, receive and rebuild plain tensors only, and the gradient that travels back is the
     local piece of the activation's gradient in that layout. The last stage's head gathers its logits
-    (``Replicate()``, handed out local), so the loss is plain cross-entropy on every rank.
+    (``Replicate()``, handed out local), so the loss is plain cross-entropy on every rank; with
+    ``vocab_parallel_logits`` they stay a vocab-sharded DTensor, for a loss under ``loss_parallel()``.
     Call ``replicate_over_dp(stage, tp_mesh)`` after it, so the norms and the position embedding are
     replicated DTensors too.
     """
@@ -215,7 +218,10 @@ def stage_tp_plan(stage: GPTStage, *, sequence_parallel: bool) -> dict[str, Para
     if not stage.first:
         del plan["tok_emb"]
     if stage.last:
-        plan["lm_head"] = ColwiseParallel(input_layouts=activations, output_layouts=Replicate(), use_local_output=True)
+        logits: Placement = Shard(-1) if vocab_parallel_logits else Replicate()
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=activations, output_layouts=logits, use_local_output=not vocab_parallel_logits
+        )
     else:
         plan.pop("lm_head")
         plan.pop("norm", None)

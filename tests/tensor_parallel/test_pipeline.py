@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from spmd.tensor import DTensor, init_device_mesh
-from spmd.tensor_parallel import parallelize_module
+from spmd.tensor_parallel import loss_parallel, parallelize_module
 from spmd.testing.models import GPT, pipeline_stage, replicate_over_dp, stage_tp_plan
 
 
@@ -66,6 +66,12 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same loss on vocab-sharded DTensor logits, without gathering them."""
+    with loss_parallel():
+        return next_token_loss(logits, targets)
+
+
 def train_one_device(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     model = build_gpt(weights)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -86,15 +92,22 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
-def train_pipeline(schedule_name: str, sequence_parallel: bool, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Two steps on this rank's stage; the last step's gradients and the final parameters, whole."""
+def train_pipeline(
+    schedule_name: str, sequence_parallel: bool, weights: dict[str, torch.Tensor], vocab_parallel: bool = False
+) -> dict[str, Any]:
+    """Two steps on this rank's stage; the last step's gradients and the final parameters, whole.
+
+    ``vocab_parallel``: the last stage returns vocab-sharded DTensor logits, the loss runs under ``loss_parallel``.
+    """
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stage_index = mesh.get_local_rank("pp")
     module = pipeline_stage(build_gpt(weights), stage_index, 2)
-    parallelize_module(module, mesh["tp"], stage_tp_plan(module, sequence_parallel=sequence_parallel))
+    plan = stage_tp_plan(module, sequence_parallel=sequence_parallel, vocab_parallel_logits=vocab_parallel)
+    parallelize_module(module, mesh["tp"], plan)
     replicate_over_dp(module, mesh["tp"])  # the norms and the position embedding: replicated over tp
     stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
-    schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICROBATCHES, loss_fn=next_token_loss)
+    loss_fn = vocab_parallel_loss if vocab_parallel else next_token_loss
+    schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     losses: list[float] = []
     for step in range(STEPS):
@@ -136,4 +149,11 @@ def test_pp2_x_tp2_equals_one_device(world, schedule_name: str, sequence_paralle
     sequence parallelism."""
     weights = initial_weights()
     per_rank = world(train_pipeline, 4, schedule_name, sequence_parallel, weights, timeout=300)
+    check_equals_one_device(per_rank, weights)
+
+
+def test_the_last_stage_may_return_vocab_sharded_dtensor_logits(world) -> None:
+    """Only what crosses between stages must be plain; the last stage's output goes to ``loss_fn``."""
+    weights = initial_weights()
+    per_rank = world(train_pipeline, 4, "1f1b", False, weights, True, timeout=300)
     check_equals_one_device(per_rank, weights)
