@@ -32,6 +32,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import Llama3Model, llama3_configs, parallelize_llama
 
@@ -86,6 +87,7 @@ class Layout:
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     selective_ac: bool = False
     compile: str | None = None
@@ -95,6 +97,7 @@ class Layout:
         return ParallelismConfig(
             data_parallel_replicate_degree=self.dp_replicate,
             data_parallel_shard_degree=self.dp_shard,
+            context_parallel_degree=self.cp,
             tensor_parallel_degree=self.tp,
             enable_sequence_parallel=True,  # with tp: sequence parallel, and the loss is vocab-parallel
             spmd_backend="partial_dtensor",  # torchtitan's DTensor backend (TP and FSDP2 DTensors)
@@ -104,7 +107,7 @@ class Layout:
 def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
     """The model built and parallelised by torchtitan: its ParallelDims and meshes, its parallelize_llama."""
     parallelism = layout.parallelism()
-    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_replicate * layout.dp_shard * layout.tp)
+    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp)
     parallel_dims.build_mesh()
     model = build_model(parallelism)
     parallelize_llama(
@@ -147,12 +150,19 @@ def train_step(
     local_tokens = torch.tensor(labels.numel())
     global_tokens = dist_utils.dist_sum_tensor(local_tokens, batch_mesh) if dp else local_tokens
     positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
+    cp = parallel_dims is not None and parallel_dims.cp_enabled
+    if cp:  # each cp rank its chunks of the sequence, head-tail balanced (the Trainer's post_dataloading_process)
+        cp_mesh = parallel_dims.get_mesh("cp")
+        tokens, labels, extra = prepare_context_parallel_input(
+            tokens, labels, {"positions": positions}, cp_mesh, torch.device("cpu"), "headtail"
+        )
+        positions = extra["positions"]
     optimizer.zero_grad()
     loss, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(model(tokens, positions), labels, global_tokens)
     loss.backward()
     grad_norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
     optimizer.step()
-    global_loss = dist_utils.dist_sum(loss.detach(), parallel_dims.get_mesh("loss")) if dp else loss.item()
+    global_loss = dist_utils.dist_sum(loss.detach(), parallel_dims.get_mesh("loss")) if dp or cp else loss.item()
     return {f"loss of step {step}": global_loss, f"gradient norm of step {step}": full(grad_norm).item()}
 
 
@@ -222,6 +232,16 @@ def compiled_inductor(workdir: str) -> Trained:
     return compiled(workdir, backend="inductor")
 
 
+def cp_x_tp(workdir: str) -> Trained:
+    """Context parallel x TP (dp 1 x cp 2 x tp 2): torchtitan's SDPA path, head-tail balanced sequence chunks."""
+    return train(Layout(cp=2, tp=2))
+
+
+def cp4(workdir: str) -> Trained:
+    """Context parallel over all 4 ranks (FSDP over the cp ranks too, as torchtitan does)."""
+    return train(Layout(cp=WORLD))
+
+
 def checkpoint_saved(workdir: str) -> Trained:
     """Step 1 on dp=2 x tp=2, then torchtitan's model and optimizer Statefuls saved with DCP."""
     dist_utils.set_spmd_backend("partial_dtensor")
@@ -244,8 +264,8 @@ def checkpoint_resumed(workdir: str) -> Trained:
 SCENARIOS: dict[str, Callable[[str], Trained]] = {
     scenario.__name__: scenario
     for scenario in (
-        tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, compiled_inductor, checkpoint_saved,
-        checkpoint_resumed,
+        tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, compiled_inductor, cp_x_tp, cp4,
+        checkpoint_saved, checkpoint_resumed,
     )
 }
 
@@ -287,13 +307,13 @@ def reference() -> Trained:
 
 # The gloo launches: the save's run, then a later run that resumes (one world each, as on threads).
 SAVE_RUN = ["fsdp_x_tp", "hsdp", "selective_ac", "compiled", "checkpoint_saved"]
-RESUME_RUN = ["tp_sp_loss_parallel", "checkpoint_resumed"]
+RESUME_RUN = ["tp_sp_loss_parallel", "cp_x_tp", "cp4", "checkpoint_resumed"]
 
 
 @pytest.mark.parametrize(
     "scenario",
     [
-        "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled",
+        "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled", "cp_x_tp", "cp4",
         pytest.param("compiled_inductor", marks=pytest.mark.slow),  # C++ builds: ~30 s more on two cores
     ],
 )

@@ -1,4 +1,4 @@
-"""Import torchtitan 0.3.0 on spmd: the redirect, a stand-in for its one triton module, CPU as its device.
+"""Import torchtitan 0.3.0 on spmd: the redirect (context parallel included), a stand-in for its one triton module, CPU as its device.
 
 Importing this module is the setup; import it before anything imports torchtitan (the test module
 does, in pytest and in every gloo process it spawns).
@@ -13,14 +13,6 @@ import sys
 import types
 
 import spmd.compat
-
-KEEP_TORCH = [
-    # torchtitan imports context parallelism at the top of a module every model imports; the tests
-    # never enable it, and spmd has no equivalent.
-    "torch.distributed.tensor.experimental._attention",
-    "torch.distributed.tensor.experimental._context_parallel",
-]
-"""torch modules torchtitan imports but these tests never use."""
 
 TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 """The one module on the llama3 path that imports triton (expert-parallel kernels, unused here)."""
@@ -59,7 +51,7 @@ class _TritonKernelsStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _install() -> None:
-    spmd.compat.redirect("torchtitan", "spmd_types._dtensor", keep_torch=KEEP_TORCH)
+    spmd.compat.redirect("torchtitan", "spmd_types._dtensor")
     if importlib.util.find_spec("triton") is None and not any(
         isinstance(finder, _TritonKernelsStandIn) for finder in sys.meta_path
     ):
