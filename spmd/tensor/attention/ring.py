@@ -93,8 +93,8 @@ def _gather_keys_values(
 
 
 def attention_bytes(k: DTensorSpec, v: DTensorSpec, n: int, backward: bool) -> tuple[int, int]:
-    """Bytes one rank receives per call (all-gather of padded pieces) and the ring's lower bound
-    (every key/value row held elsewhere once; in backward, the same again for dk, dv)."""
+    """Bytes one rank receives per call (all-gather of padded pieces) and what a ring moves at the
+    least (every key/value row held elsewhere once; in backward, those rows again and as many of dk, dv)."""
     seq = k.ndim - 2
     keys = k.shape[seq]
     row = (math.prod(k.shape) // max(keys, 1)) * k.tensor_meta.dtype.itemsize
@@ -117,7 +117,7 @@ def _log_choice(op: Any, q: DTensorSpec, k: DTensorSpec, v: DTensorSpec, mesh_di
     note = "" if rotate == "allgather" else f" (rotate method {rotate!r} asked: same bytes, gathered instead)"
     log_line(
         "%-30s context parallel over mesh dim %s (n=%d, %s rows): %s, receives %s per rank; ring lower bound "
-        "%s; gathered because a ring moves the same bytes in n-1 steps and spmd has no point-to-point%s",
+        "%s; gathered because a ring moves the same bytes, in n-1 steps%s",
         op, name, n, "head-tail" if balanced else "contiguous", moves, human_bytes(received), human_bytes(bound), note,
     )  # fmt: skip
 
