@@ -109,6 +109,8 @@ NAMES: dict[str, dict[str, str]] = {
     },
     "torch.distributed.tensor._redistribute": {"redistribute_local_tensor": "spmd.tensor.redistribute.run"},
     "torch.distributed.tensor._utils": {"compute_local_shape_and_global_offset": "spmd.tensor.spec"},
+    # torch's stage carries only torch's DTensor between stages; spmd's is torch's with DTensor edges made local
+    "torch.distributed.pipelining": {"PipelineStage": "spmd.pipelining"},
 }
 """torch module -> {name: the spmd module that has the same name with the same meaning}."""
 
@@ -124,8 +126,8 @@ SHADOWED = frozenset({"torch.distributed._composable.fsdp.fully_shard"})
 ``torch.distributed._composable.fsdp.fully_shard`` (an attribute chain, or ``from ... import fully_shard``)
 is the function, not the module. There the redirect gives the spmd module's attribute too."""
 
-TORCH_FALLBACK = frozenset({"torch.distributed.fsdp"})
-"""Modules of ``NAMES`` whose other names stay torch's (FSDP1, wrap policies)."""
+TORCH_FALLBACK = frozenset({"torch.distributed.fsdp", "torch.distributed.pipelining"})
+"""Modules of ``NAMES`` whose other names stay torch's (FSDP1, wrap policies; pipelining's schedules)."""
 
 SPMD_ROOTS = (
     "torch.distributed.tensor",

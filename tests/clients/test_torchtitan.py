@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torchtitan.components.checkpointer.base import ModelWrapper
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import OptimizersContainer
@@ -33,6 +34,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import Llama3Model, llama3_configs, parallelize_llama
 
@@ -89,6 +91,13 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    """torchtitan's name of the pipeline schedule, with pp > 1."""
+    pp_microbatch: int = 2
+    """Rows of a pipeline microbatch: the batch of 4 runs as 2 microbatches."""
+    sequence_parallel: bool = True
+    """With tp: sequence parallel, Shard(1) activations between blocks; else Replicate ones."""
     selective_ac: bool = False
     compile: str | None = None
     """torchtitan's per-block compile with this backend, or none."""
@@ -99,15 +108,21 @@ class Layout:
             data_parallel_shard_degree=self.dp_shard,
             context_parallel_degree=self.cp,
             tensor_parallel_degree=self.tp,
-            enable_sequence_parallel=True,  # with tp: sequence parallel, and the loss is vocab-parallel
+            pipeline_parallel_degree=self.pp,
+            pipeline_parallel_schedule=self.pp_schedule,
+            pipeline_parallel_microbatch_size=self.pp_microbatch,
+            enable_sequence_parallel=self.sequence_parallel,  # with tp, and the loss is vocab-parallel
             spmd_backend="partial_dtensor",  # torchtitan's DTensor backend (TP and FSDP2 DTensors)
         )
+
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
 
 def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
     """The model built and parallelised by torchtitan: its ParallelDims and meshes, its parallelize_llama."""
     parallelism = layout.parallelism()
-    parallel_dims = ParallelDims.from_config(parallelism, layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp)
+    parallel_dims = ParallelDims.from_config(parallelism, layout.world())
     parallel_dims.build_mesh()
     model = build_model(parallelism)
     parallelize_llama(
@@ -120,6 +135,30 @@ def parallelized(layout: Layout) -> tuple[Llama3Model, ParallelDims]:
         dump_folder="",
     )
     return model, parallel_dims
+
+
+def pipelined(layout: Layout) -> tuple[torch.nn.Module, ParallelDims, _PipelineSchedule, tuple[bool, bool]]:
+    """The model split into stages, each parallelised, and scheduled by torchtitan's pipeline_llm: this rank's
+    stage, the ParallelDims, the schedule, and whether this rank has the first and the last stage."""
+    parallelism = layout.parallelism()
+    parallel_dims = ParallelDims.from_config(parallelism, layout.world())
+    parallel_dims.build_mesh()
+    model = build_model(parallelism)
+    schedule, parts, first, last = pipeline_llm(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32", local_batch_size=BATCH),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,  # type: ignore[arg-type]
+        dump_folder="",
+        device=torch.device("cpu"),
+        model_config=model_config(parallelism),
+        parallelize_fn=parallelize_llama,
+        loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()),
+    )
+    assert len(parts) == 1, "one stage a rank"
+    return parts[0], parallel_dims, schedule, (first, last)
 
 
 def optimizer_for(model: torch.nn.Module) -> OptimizersContainer:
@@ -166,6 +205,37 @@ def train_step(
     return {f"loss of step {step}": global_loss, f"gradient norm of step {step}": full(grad_norm).item()}
 
 
+def pipelined_train_step(
+    model: torch.nn.Module,
+    optimizer: OptimizersContainer,
+    step: int,
+    parallel_dims: ParallelDims,
+    schedule: _PipelineSchedule,
+    stages: tuple[bool, bool],
+) -> dict[str, float]:
+    """Step ``step`` of torchtitan's Trainer.pp_forward_backward_step and train_step, whole batch (no dp).
+
+    The Trainer calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, which torch 2.13's
+    schedules do not take; this is the same call in torch 2.13's form: the whole batch, split by the schedule.
+    """
+    tokens, labels = batch(step)
+    has_first, has_last = stages
+    positions = torch.arange(SEQ).repeat(tokens.shape[0], 1)
+    loss_kwargs = {"global_valid_tokens": torch.tensor(labels.numel())}
+    optimizer.zero_grad()
+    losses: list[torch.Tensor] = []
+    inputs = (tokens,) if has_first else ()
+    schedule.step(*inputs, positions=positions, target=labels if has_last else None,
+                  losses=losses if has_last else None, loss_kwargs=loss_kwargs, return_outputs=False)
+    grad_norm = dist_utils.clip_grad_norm_(
+        list(model.parameters()), MAX_NORM, foreach=True, pp_mesh=parallel_dims.get_optional_mesh("pp")
+    )
+    optimizer.step()
+    stage_loss = torch.stack(losses).sum() if has_last else torch.tensor(0.0)
+    global_loss = dist_utils.dist_sum(stage_loss.detach(), parallel_dims.get_mesh("pp"))  # the last stage's, on every rank
+    return {f"loss of step {step}": global_loss, f"gradient norm of step {step}": full(grad_norm).item()}
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -190,12 +260,24 @@ Trained = dict[str, Any]
 def train(layout: Layout | None) -> Trained:
     """Two training steps on ``layout`` (None: one device)."""
     dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's Trainer does, from its config
+    if layout is not None and layout.pp > 1:
+        return train_pipelined(layout)
     model, parallel_dims = (build_model(ParallelismConfig()), None) if layout is None else parallelized(layout)
     optimizer = optimizer_for(model)
     metrics = train_step(model, optimizer, 1, parallel_dims)
     step1_grads = grads(model)
     metrics |= train_step(model, optimizer, 2, parallel_dims)
     return {"metrics": metrics, "grads": step1_grads, "params": params(model)}
+
+
+def train_pipelined(layout: Layout) -> Trained:
+    """Two training steps of this rank's pipeline stage; gradients and parameters of its own stage only."""
+    model, parallel_dims, schedule, stages = pipelined(layout)
+    optimizer = optimizer_for(model)
+    metrics = pipelined_train_step(model, optimizer, 1, parallel_dims, schedule, stages)
+    step1_grads = grads(model)
+    metrics |= pipelined_train_step(model, optimizer, 2, parallel_dims, schedule, stages)
+    return {"metrics": metrics, "grads": step1_grads, "params": params(model), "one stage": True}
 
 
 # ----- the scenarios ---------------------------------------------------------------------------
@@ -242,6 +324,23 @@ def cp4(workdir: str) -> Trained:
     return train(Layout(cp=WORLD))
 
 
+def pp_x_tp(workdir: str) -> Trained:
+    """Pipeline x tensor parallel (pp=2 x tp=2), sequence parallel: torchtitan's pipeline_llm split, its 1F1B
+    schedule over 2 microbatches; the stage edges carry Shard(1) DTensor activations (spmd's PipelineStage)."""
+    return train(Layout(pp=2, tp=2))
+
+
+def pp_x_tp_replicated_gpipe(workdir: str) -> Trained:
+    """pp=2 x tp=2 without sequence parallel (Replicate activations, whose gradient arrives Partial), GPipe."""
+    return train(Layout(pp=2, tp=2, pp_schedule="GPipe", sequence_parallel=False))
+
+
+def pp4(workdir: str) -> Trained:
+    """Pipeline parallel alone over 4 ranks (4 stages: embedding, one block each, norm and head), 1F1B over
+    4 microbatches (1F1B needs at least one a stage)."""
+    return train(Layout(pp=WORLD, pp_microbatch=1))
+
+
 def checkpoint_saved(workdir: str) -> Trained:
     """Step 1 on dp=2 x tp=2, then torchtitan's model and optimizer Statefuls saved with DCP."""
     dist_utils.set_spmd_backend("partial_dtensor")
@@ -265,7 +364,7 @@ SCENARIOS: dict[str, Callable[[str], Trained]] = {
     scenario.__name__: scenario
     for scenario in (
         tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, compiled_inductor, cp_x_tp, cp4,
-        checkpoint_saved, checkpoint_resumed,
+        pp_x_tp, pp_x_tp_replicated_gpipe, pp4, checkpoint_saved, checkpoint_resumed,
     )
 }
 
@@ -280,9 +379,12 @@ def differences(trained: Trained, reference: Trained) -> dict[str, float]:
     for kind in ("grads", "params"):
         if kind not in trained:
             continue
-        assert trained[kind].keys() == reference[kind].keys(), f"{kind}: other parameter names"
-        for name, want in reference[kind].items():
-            got = trained[kind][name]
+        if trained.get("one stage"):  # a pipeline stage holds some of the parameters, named as on one device
+            assert trained[kind] and trained[kind].keys() <= reference[kind].keys(), f"{kind}: other parameter names"
+        else:
+            assert trained[kind].keys() == reference[kind].keys(), f"{kind}: other parameter names"
+        for name, got in trained[kind].items():
+            want = reference[kind][name]
             assert got.shape == want.shape, f"{kind} {name}: shape {tuple(got.shape)}, one device {tuple(want.shape)}"
             out[f"{kind} {name}"] = ((got - want).abs().max() / want.abs().max()).item()
     return out
@@ -307,13 +409,14 @@ def reference() -> Trained:
 
 # The gloo launches: the save's run, then a later run that resumes (one world each, as on threads).
 SAVE_RUN = ["fsdp_x_tp", "hsdp", "selective_ac", "compiled", "checkpoint_saved"]
-RESUME_RUN = ["tp_sp_loss_parallel", "cp_x_tp", "cp4", "checkpoint_resumed"]
+RESUME_RUN = ["tp_sp_loss_parallel", "cp_x_tp", "cp4", "pp_x_tp", "pp_x_tp_replicated_gpipe", "pp4", "checkpoint_resumed"]
 
 
 @pytest.mark.parametrize(
     "scenario",
     [
         "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled", "cp_x_tp", "cp4",
+        "pp_x_tp", "pp_x_tp_replicated_gpipe", "pp4",
         pytest.param("compiled_inductor", marks=pytest.mark.slow),  # C++ builds: ~30 s more on two cores
     ],
 )
