@@ -47,6 +47,10 @@ def _layout_of(tensor: object) -> _EdgeLayout | None:
     return _EdgeLayout(tuple(names), tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()))
 
 
+_TORCH_STAGE_METHODS = ("forward_maybe_with_nosync", "_compute_outputs", "_send_meta", "_recv_meta")
+"""The methods of torch's stage this one extends: where it runs its submodule, and its metadata exchange."""
+
+
 class PipelineStage(pipelining.PipelineStage):
     """torch's ``PipelineStage`` whose submodule's DTensor activations cross to the next stage as local pieces.
 
@@ -58,6 +62,12 @@ class PipelineStage(pipelining.PipelineStage):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        missing = [name for name in _TORCH_STAGE_METHODS if not hasattr(pipelining.PipelineStage, name)]
+        if missing:
+            raise RuntimeError(
+                f"spmd's PipelineStage extends torch {torch.__version__}'s PipelineStage at {missing}, which this "
+                "torch lacks; use torch's PipelineStage with plain stage edges (docs/pipeline.md, stage_tp_plan)"
+            )
         super().__init__(*args, **kwargs)
         self._get_spmd_mesh: Callable[..., DeviceMesh | None] | None = kwargs.get("get_mesh")
         self._output_layouts: tuple[_EdgeLayout | None, ...] = ()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+import spmd.pipelining
 from spmd.tensor import DTensor, init_device_mesh
 from spmd.tensor_parallel import loss_parallel, parallelize_module
 from spmd.testing.models import GPT, pipeline_stage, replicate_over_dp, stage_tp_plan
@@ -93,19 +94,27 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def train_pipeline(
-    schedule_name: str, sequence_parallel: bool, weights: dict[str, torch.Tensor], vocab_parallel: bool = False
+    schedule_name: str,
+    sequence_parallel: bool,
+    weights: dict[str, torch.Tensor],
+    vocab_parallel: bool = False,
+    spmd_stage: bool = False,
 ) -> dict[str, Any]:
     """Two steps on this rank's stage; the last step's gradients and the final parameters, whole.
 
     ``vocab_parallel``: the last stage returns vocab-sharded DTensor logits, the loss runs under ``loss_parallel``.
+    ``spmd_stage``: no edge styles; the stage's DTensor activations cross through ``spmd.pipelining.PipelineStage``.
     """
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stage_index = mesh.get_local_rank("pp")
     module = pipeline_stage(build_gpt(weights), stage_index, 2)
     plan = stage_tp_plan(module, sequence_parallel=sequence_parallel, vocab_parallel_logits=vocab_parallel)
+    if spmd_stage:
+        plan.pop("")  # the stage's own styles: to_local on the sending stage, from_local on the receiving one
     parallelize_module(module, mesh["tp"], plan)
     replicate_over_dp(module, mesh["tp"])  # the norms and the position embedding: replicated over tp
-    stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    stage_class = spmd.pipelining.PipelineStage if spmd_stage else PipelineStage
+    stage = stage_class(module, stage_index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
     loss_fn = vocab_parallel_loss if vocab_parallel else next_token_loss
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
@@ -156,4 +165,14 @@ def test_the_last_stage_may_return_vocab_sharded_dtensor_logits(world) -> None:
     """Only what crosses between stages must be plain; the last stage's output goes to ``loss_fn``."""
     weights = initial_weights()
     per_rank = world(train_pipeline, 4, "1f1b", False, weights, True, timeout=300)
+    check_equals_one_device(per_rank, weights)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_spmd_pipeline_stage_carries_dtensor_activations(world, sequence_parallel: bool) -> None:
+    """The stages return and take DTensors (no edge styles): spmd's PipelineStage sends each as its local
+    piece and rebuilds it on the next stage in the layout it had; the Replicate() activation's gradient
+    arrives Partial on the receiving stage and is reduced there."""
+    weights = initial_weights()
+    per_rank = world(train_pipeline, 4, "1f1b", sequence_parallel, weights, False, True, timeout=300)
     check_equals_one_device(per_rank, weights)
