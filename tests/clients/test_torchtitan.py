@@ -4,7 +4,8 @@
 imported before torchtitan). Each scenario trains the llama3 debug model, shrunk for CPU, for two
 steps the way torchtitan's Trainer does (sum loss over the global token count, gradient clipping,
 its AdamW container) on a world of 4 ranks, and every rank compares the losses and gradient norms
-of both steps, the gradients after step 1 and the parameters after step 2 with one device.
+of both steps, the gradients after step 1 and the parameters after step 2 with one device (with
+pipeline parallelism, those of its own stage, by name).
 The same scenario functions run on rank threads and on gloo processes.
 """
 
