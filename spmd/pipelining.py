@@ -6,7 +6,7 @@ class with the stage edges made plain: each DTensor output of the stage's submod
 rank's local piece, and the next stage reads that piece back as a DTensor of the same layout on its
 own mesh before its submodule runs. The layout (mesh dim names, placements, global shape and stride)
 travels once, with the metadata torch's stages exchange on their first step. torch's schedules run
-unchanged; the redirect (``spmd.compat``) gives this class to code that imports torch's
+unchanged; the import redirect gives this class to code that imports torch's
 ``PipelineStage``. See ``docs/pipeline.md``.
 """
 
