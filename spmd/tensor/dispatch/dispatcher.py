@@ -54,7 +54,7 @@ class Dispatcher:
         self.registry = REGISTRY
         self.propagator = ShardingPropagator(REGISTRY)
         self.decisions: DecisionCache[Decision] = DecisionCache()
-        self.lists = ListOps(self.propagator, self.decisions, self.run_gathered)
+        self.lists = ListOps(self.propagator, self.decisions, self.run_strided)
         self._fallback = os.environ.get("SPMD_FALLBACK", "1").strip() not in ("0", "false", "off")
         REGISTRY.add_listener(self.clear_cache)
 
@@ -111,7 +111,7 @@ class Dispatcher:
         op = entry.op
         call = unwrap_call(entry, args, kwargs) or self.unwrap_mixed(entry, args, kwargs)
         if any(has_strided(call.leaves[i]._spec.placements) for i in call.positions):
-            return self.run_gathered(entry, call.leaves, call.shape, call.kwarg_names(), call.positions)
+            return self.run_strided(entry, call.leaves, call.shape, call.kwarg_names(), call.positions)
         if entry.inplace:
             refuse_write_into_copied_view(entry, call)
         decision, hit = self.decision_for(entry, call)
@@ -128,21 +128,27 @@ class Dispatcher:
         result = self.run_local(entry, decision, call, local_args, local_kwargs)
         return self.wrap(entry, decision, call, result, local_args)
 
+    def run_strided(
+        self, entry: OpEntry, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
+    ) -> Any:
+        """A call with ``_StridedShard`` inputs, which op rules never see (read as a plain Shard, a
+        strided layout would give wrong values): an elementwise op whose operands share one layout
+        runs on the local pieces (``elementwise_local``); any other runs again gathered."""
+        local = run_elementwise_local(entry, leaves, shape, kwarg_names)  # no gather: each piece on its own
+        if local is not NOT_LOCAL:
+            return local
+        return self.run_gathered(entry, leaves, shape, kwarg_names, positions)
+
     def run_gathered(
         self, entry: OpEntry, leaves: list[Any], shape: tuple[Any, ...], kwarg_names: list[str], positions: list[int]
     ) -> Any:
         """The call again, its ``_StridedShard`` inputs gathered to ``unstrided_placements`` first.
 
-        Op rules know Shard, Replicate and Partial only, so none ever sees a strided layout (read as
-        a plain Shard it would give wrong values). An elementwise op whose operands share one layout
-        runs on the local pieces instead (``elementwise_local``). The gather is an implicit move:
-        logged, counted by CommDebugMode, refused under explicit redistribution. A strided argument
-        the op writes into (``x.add_(y)``, a ``_foreach`` step) is written through its gathered copy,
-        whose new values are then cut back into its pieces (locally: the copy holds every entry).
+        The gather is an implicit move: logged, counted by CommDebugMode, refused under explicit
+        redistribution. A strided argument the op writes into (``x.add_(y)``, a ``_foreach`` step)
+        is written through its gathered copy, whose new values are then cut back into its pieces
+        (locally: the copy holds every entry).
         """
-        local = run_elementwise_local(entry, leaves, shape, kwarg_names)  # no gather: each piece on its own
-        if local is not NOT_LOCAL:
-            return local
         op = entry.op
         names = leaf_arguments(op, shape, kwarg_names, len(leaves))
         written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}

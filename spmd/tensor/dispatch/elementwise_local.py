@@ -8,7 +8,7 @@ same way. Without this the dispatcher gathers every strided operand first: an op
 FSDP2-over-TP parameters (``(_StridedShard(0), Shard(0))``) would all-gather each parameter,
 gradient and moment, and ``zeros_like`` would create the optimizer state whole over dp.
 
-Only calls with a ``_StridedShard`` operand come here (``Dispatcher.run_gathered``); the others keep
+Only calls with a ``_StridedShard`` operand come here (``Dispatcher.run_strided``); the others keep
 the rules' path.
 """
 

@@ -70,18 +70,19 @@ class ListOps:
 
     Its collaborators are handed over by the dispatcher that owns it: the propagator, the op path's
     decision cache (a position is decided as the direct call of its element op would be, and shares
-    that decision) and ``run_gathered`` (a call with ``_StridedShard`` inputs, run again gathered).
+    that decision) and ``run_strided`` (a call with ``_StridedShard`` inputs: on the local pieces, or
+    run again gathered).
     """
 
     def __init__(
         self,
         propagator: ShardingPropagator,
         element_decisions: DecisionCache[Decision],
-        run_gathered: Callable[[OpEntry, list[Any], tuple[Any, ...], list[str], list[int]], Any],
+        run_strided: Callable[[OpEntry, list[Any], tuple[Any, ...], list[str], list[int]], Any],
     ) -> None:
         self.propagator = propagator
         self.element_decisions = element_decisions
-        self.run_gathered = run_gathered
+        self.run_strided = run_strided
         self.decisions: DecisionCache[tuple[Decision, tuple[int, ...]]] = DecisionCache()
         """List decisions, with the inputs each writes back after the kernel."""
 
@@ -103,7 +104,7 @@ class ListOps:
                 raise mesh_mismatch_error(op, seen[0], next(m for m in seen if m != seen[0]))
             return run_per_mesh(op, args, kwargs, meshes)
         if any(has_strided(leaves[i]._spec.placements) for i in positions):  # rules never see one
-            return self.run_gathered(entry, leaves, shape, list(kwargs), positions)
+            return self.run_strided(entry, leaves, shape, list(kwargs), positions)
         (decision, write_back), hit = self.decisions.get_or_decide(
             key, lambda: self.decide(entry, rule, leaves, shape, list(kwargs), positions)
         )

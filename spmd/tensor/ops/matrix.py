@@ -215,13 +215,10 @@ def _attention_candidates(
             return True
         return d == ndim - 3 and _grouped_heads_split_evenly(q.shape[d], k.shape[d], v.shape[d], cuts)
 
-    for d in sorted(surviving_shards(tensors, range(ndim - 1), keeps)):
-        if d != seq:
-            candidates.append(one((Shard(d),) * n_in, (Shard(d),) * n_out, Shard(d)))
-        elif backward:
-            candidates.append(one((Shard(seq),) * 6, (Shard(seq),) * 3, R))
-        else:
-            candidates.append(one((Shard(seq),) * 3, (Shard(seq),) * 2, R))
+    candidates += [  # a sequence shard keeps the mask whole
+        one((Shard(d),) * n_in, (Shard(d),) * n_out, R if d == seq else Shard(d))
+        for d in sorted(surviving_shards(tensors, range(ndim - 1), keeps))
+    ]
     # Query rows are independent unless a causal mask ties row i to key positions (global indices).
     if not is_causal and no_empty_shards(q.shape[seq], mesh_shape):
         if backward:  # grad, q, k, v, out, lse: lse has the query rows at the same index too
