@@ -88,7 +88,7 @@ def assert_equal_to(expected: Results, got: Results) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: 8 processes, ~1 min on 2 cores
 def test_tp_plan_auto_equals_one_device_and_torchs_dtensor(
     world: int, checkpoints: dict[str, str], one_device: dict[str, Results], tmp_path: Path
 ) -> None:
