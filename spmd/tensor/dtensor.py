@@ -287,14 +287,9 @@ class DTensor(torch.Tensor):
         return _ToLocal.apply(self, None if grad_placements is None else tuple(grad_placements))  # type: ignore[no-untyped-call]
 
     def redistribute(
-        self,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | None = None,
-        *,
-        async_op: bool = False,
-        forward_dtype: torch.dtype | None = None,
-        backward_dtype: torch.dtype | None = None,
-    ) -> DTensor:
+        self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *,
+        async_op: bool = False, forward_dtype: torch.dtype | None = None, backward_dtype: torch.dtype | None = None,
+    ) -> DTensor:  # fmt: skip
         """The same global tensor laid out as ``placements`` (collectives as the plan needs).
 
         ``forward_dtype`` casts before the collectives (the result has that dtype), e.g. to gather

@@ -21,16 +21,11 @@ from torch import nn
 
 from spmd.fsdp import fully_shard
 from spmd.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
-from spmd.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from spmd.tensor_parallel.linear import ColwiseParallel, RowwiseParallel
+from spmd.tensor_parallel.parallelize import parallelize_module
+from spmd.tensor_parallel.prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+from spmd.tensor_parallel.sequence import SequenceParallel
+from spmd.tensor_parallel.style import ParallelStyle
 
 __all__ = [
     "GPTSizes",

@@ -203,7 +203,7 @@ def test_head_tail_indices_are_torch_s_for_even_lengths() -> None:
     assert indices[0][restore[0]].tolist() == list(range(8))
     with pytest.raises(NotImplementedError, match="_PTRRLoadBalancer"):
         _PTRRLoadBalancer(None, 2)
-    with pytest.raises(NotImplementedError, match="kv shards rotation"):
+    with pytest.raises(NotImplementedError, match="'allgather' or 'alltoall'"):
         set_rotate_method("ring")
 
 

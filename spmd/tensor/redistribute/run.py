@@ -173,14 +173,9 @@ def redistribute_traced(
 
 
 def redistribute_local_tensor(
-    local_tensor: torch.Tensor,
-    current_spec: DTensorSpec,
-    target_spec: DTensorSpec,
-    *,
-    async_op: bool = False,
-    use_graph_based_transform: bool | None = None,
-    is_explicit: bool = False,
-) -> torch.Tensor:
+    local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *,
+    async_op: bool = False, use_graph_based_transform: bool | None = None, is_explicit: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """This rank's shard of ``current_spec``'s tensor laid out as ``target_spec`` (collective on all ranks).
 
     torch's private name (``_redistribute``), which code that runs its own ops on local shards

@@ -19,7 +19,7 @@ The dispatcher switch and the function mode are per thread, so rank threads each
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,10 +66,7 @@ def _rearranged(buffer: torch.Tensor, seq_dim: int, indices: torch.Tensor) -> to
 
 
 def _context_parallel_shard(
-    mesh: DeviceMesh,
-    buffers: Sequence[torch.Tensor],
-    seq_dims: Sequence[int],
-    load_balancer: _LoadBalancer | None = None,
+    mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int], load_balancer: _LoadBalancer | None = None
 ) -> list[torch.Tensor]:
     """This rank's piece of each buffer along its sequence dim, rearranged by ``load_balancer`` first.
 
@@ -93,10 +90,7 @@ def _context_parallel_shard(
 
 @torch.no_grad()
 def context_parallel_unshard(
-    mesh: DeviceMesh,
-    buffers: list[torch.Tensor],
-    seq_dims: list[int],
-    load_balancer: _LoadBalancer | None = None,
+    mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int], load_balancer: _LoadBalancer | None = None
 ) -> list[torch.Tensor]:
     """The whole of each buffer sharded by context parallel, in the original order.
 
@@ -138,8 +132,7 @@ def set_rotate_method(rotate_method: str) -> None:
     """
     if rotate_method not in ("allgather", "alltoall"):
         raise NotImplementedError(
-            f"Context Parallel does not support using {rotate_method!r} for kv shards rotation; "
-            "use 'allgather' or 'alltoall'"
+            f"set_rotate_method({rotate_method!r}): key/value blocks travel by 'allgather' or 'alltoall' only"
         )
     set_rotate_method_name(rotate_method)
 
@@ -177,12 +170,9 @@ class _ShardedAttention(TorchFunctionMode):
 
 @contextlib.contextmanager
 def context_parallel(
-    mesh: DeviceMesh,
-    *,
-    buffers: list[torch.Tensor] | None = None,
-    buffer_seq_dims: list[int] | None = None,
+    mesh: DeviceMesh, *, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
     no_restore_buffers: set[torch.Tensor] | None = None,
-) -> Generator[None, None, None]:
+) -> Iterator[None]:  # fmt: skip
     """Shard ``buffers`` in place along their sequence dims (head-tail) and make attention context-parallel.
 
     While open, ``F.scaled_dot_product_attention`` on plain tensors of shape (batch, heads, seq,
