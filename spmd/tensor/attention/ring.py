@@ -210,6 +210,7 @@ def ring_backward_local(
             dq.narrow(seq, *local).add_(dq_part)
             dk_full.narrow(seq, start, length).add_(dk_part)
             dv_full.narrow(seq, start, length).add_(dv_part)
+    del keys, values, dk_full, dv_full  # the gathered rows, and views that would keep the unordered sum alive
     if balanced:  # back to the ranks' pieces laid end to end, so each owner's rows are one block
         dkv = dkv.index_select(seq, gather_order(k_spec.shape[seq], comm.size, True).to(dkv.device))
     dkv_local = reduce_scatter_dim(dkv, comm, seq, "sum")
