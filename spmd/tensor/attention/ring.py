@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -144,25 +145,56 @@ def _options(args: Sequence[Any], kwargs: dict[str, Any], first: int) -> tuple[f
     return dropout, causal, kwargs.get("scale")
 
 
+@dataclass(frozen=True)
+class _SequenceCall:
+    """What forward and backward share for a call whose sequence is sharded on a mesh dim: the
+    communicator over it and this rank's query blocks."""
+
+    comm: Communicator
+    seq: int
+    """The sequence dim of q, k, v (and of out, lse, grad)."""
+    blocks: tuple[RowBlock, ...]
+    balanced: bool
+    causal: bool
+    scale: float | None
+    keys_length: int
+    """The whole sequence's key rows."""
+
+
+def _sequence_call(
+    op: Any, args: Sequence[Any], kwargs: dict[str, Any], qkv: Sequence[DTensorSpec], *, backward: bool
+) -> tuple[_SequenceCall, torch.Tensor, torch.Tensor] | None:
+    """None when the sequence is not sharded on any mesh dim; else the call's shared facts (logged in
+    verbose mode) and the whole sequence's keys and values, gathered. ``qkv`` are the specs of q, k, v.
+    The keys and values come apart from the facts, so that the caller alone decides when they are freed."""
+    q_spec, k_spec, v_spec = qkv
+    mesh_dim = sequence_mesh_dim(q_spec, k_spec)
+    if mesh_dim is None:
+        return None
+    first = 1 if backward else 0  # backward's arguments start with the incoming gradient
+    q, k, v = args[first : first + 3]
+    _, causal, scale = _options(args, kwargs, 6 if backward else 3)
+    comm = q_spec.mesh.get_communicator(mesh_dim)
+    seq = q.ndim - 2
+    blocks, balanced = _query_blocks(q_spec.shape[seq], comm.size, comm.local_rank, causal, q.size(seq))
+    if STATE.verbose:
+        _log_choice(op, q_spec, k_spec, v_spec, mesh_dim, balanced, backward=backward)
+    keys, values = _gather_keys_values(k, v, comm, seq, k_spec.shape[seq], balanced)
+    return _SequenceCall(comm, seq, blocks, balanced, causal, scale, k_spec.shape[seq]), keys, values
+
+
 def ring_forward_local(
     op: Any, args: list[Any], kwargs: dict[str, Any], specs: tuple[DTensorSpec, ...], output_specs: tuple[Any, ...]
 ) -> Any:
     """``(out, lse)`` of this rank's query rows over the whole sequence's keys (or the op on the pieces
     when the sequence is not sharded on any mesh dim)."""
-    q_spec, k_spec, v_spec = specs[:3]
-    mesh_dim = sequence_mesh_dim(q_spec, k_spec)
-    if mesh_dim is None:
+    gathered = _sequence_call(op, args, kwargs, specs[:3], backward=False)
+    if gathered is None:
         return op(*args, **kwargs)
-    q, k, v = args[:3]
-    _, causal, scale = _options(args, kwargs, 3)
-    comm = q_spec.mesh.get_communicator(mesh_dim)
-    seq = q.ndim - 2
-    blocks, balanced = _query_blocks(q_spec.shape[seq], comm.size, comm.local_rank, causal, q.size(seq))
-    if STATE.verbose:
-        _log_choice(op, q_spec, k_spec, v_spec, mesh_dim, balanced, backward=False)
-    keys, values = _gather_keys_values(k, v, comm, seq, k_spec.shape[seq], balanced)
+    call, keys, values = gathered
+    q, seq, causal, scale = args[0], call.seq, call.causal, call.scale
     outs, lses = [], []
-    for block in blocks:
+    for block in call.blocks:
         rows = q.narrow(seq, block.local_start, block.length)
         parts = [
             aten._scaled_dot_product_flash_attention_for_cpu(
@@ -183,23 +215,18 @@ def ring_backward_local(
 ) -> Any:
     """``(dq, dk, dv)`` of context-parallel attention: each block's exact contribution, dk and dv
     summed back to their owners (or the op on the pieces when the sequence is not sharded)."""
-    q_spec, k_spec, v_spec = specs[1:4]
-    mesh_dim = sequence_mesh_dim(q_spec, k_spec)
-    if mesh_dim is None:
+    gathered = _sequence_call(op, args, kwargs, specs[1:4], backward=True)
+    if gathered is None:
         return op(*args, **kwargs)
+    call, keys, values = gathered
+    del gathered  # so that ``del keys, values`` below frees them
     grad, q, k, v, out, lse = args[:6]
-    _, causal, scale = _options(args, kwargs, 6)
-    comm = q_spec.mesh.get_communicator(mesh_dim)
-    seq = q.ndim - 2
-    blocks, balanced = _query_blocks(q_spec.shape[seq], comm.size, comm.local_rank, causal, q.size(seq))
-    if STATE.verbose:
-        _log_choice(op, q_spec, k_spec, v_spec, mesh_dim, balanced, backward=True)
-    keys, values = _gather_keys_values(k, v, comm, seq, k_spec.shape[seq], balanced)
+    comm, seq, causal, scale = call.comm, call.seq, call.causal, call.scale
     acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros((*keys.shape[:-1], keys.size(-1) + values.size(-1)), dtype=acc, device=q.device)
     dk_full, dv_full = dkv.narrow(-1, 0, keys.size(-1)), dkv.narrow(-1, keys.size(-1), values.size(-1))
-    for block in blocks:
+    for block in call.blocks:
         local = block.local_start, block.length
         grad_rows, q_rows, out_rows, lse_rows = (t.narrow(seq, *local) for t in (grad, q, out, lse))
         for start, length, masked in _key_ranges(block, keys.size(seq), causal):
@@ -211,8 +238,8 @@ def ring_backward_local(
             dk_full.narrow(seq, start, length).add_(dk_part)
             dv_full.narrow(seq, start, length).add_(dv_part)
     del keys, values, dk_full, dv_full  # the gathered rows, and views that would keep the unordered sum alive
-    if balanced:  # back to the ranks' pieces laid end to end, so each owner's rows are one block
-        dkv = dkv.index_select(seq, gather_order(k_spec.shape[seq], comm.size, True).to(dkv.device))
+    if call.balanced:  # back to the ranks' pieces laid end to end, so each owner's rows are one block
+        dkv = dkv.index_select(seq, gather_order(call.keys_length, comm.size, True).to(dkv.device))
     dkv_local = reduce_scatter_dim(dkv, comm, seq, "sum")
     dk, dv = dkv_local.narrow(-1, 0, k.size(-1)), dkv_local.narrow(-1, k.size(-1), v.size(-1))
     return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
