@@ -136,17 +136,15 @@ class CollectiveRecord:
 
     @property
     def moved_bytes(self) -> int:
-        """Bytes a rank receives under the usual ring algorithms: the cost model's unit."""
-        n, size = self.group_size, self.tensor_bytes
-        if n <= 1:
+        """Bytes a rank receives under the usual ring algorithms: the cost model's unit (0 for a
+        collective the ring model does not price)."""
+        # Imported here: spmd.comm sits below spmd.tensor, whose package import needs spmd.comm;
+        # the cost module itself imports nothing from spmd.
+        from spmd.tensor.redistribute.cost import RING_KINDS, received_bytes
+
+        if self.kind not in RING_KINDS:
             return 0
-        if self.kind == "all_reduce":
-            return 2 * (n - 1) * size // n
-        if self.kind in ("all_gather", "reduce_scatter", "all_to_all", "scatter"):
-            return (n - 1) * size // n
-        if self.kind == "broadcast":
-            return size
-        return 0
+        return received_bytes(self.kind, self.group_size, self.tensor_bytes)
 
 
 _observers_lock = threading.Lock()

@@ -16,6 +16,7 @@ from spmd.comm import CollectiveRecord
 from spmd.simulate.memory import StateBytes
 from spmd.simulate.plan import Link, Links
 from spmd.tensor import DeviceMesh
+from spmd.tensor.redistribute.cost import RING_KINDS, collective_seconds
 
 __all__ = [
     "CollectiveStat",
@@ -76,11 +77,9 @@ class PlanReport:
 
 def ring_seconds(record: CollectiveRecord, link: Link) -> float:
     """The ring model's time for one collective on ``link`` (see the module docstring)."""
-    n = record.group_size
-    if n <= 1:
+    if record.kind not in RING_KINDS:
         return 0.0
-    steps = 2 * (n - 1) if record.kind == "all_reduce" else n - 1
-    return steps * link.latency + record.moved_bytes / link.bandwidth
+    return collective_seconds(record.kind, record.group_size, record.tensor_bytes, link.bandwidth, link.latency)
 
 
 def mesh_dim_names_by_group(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
