@@ -34,7 +34,7 @@ import torch
 
 from spmd.hooks import HOOKS
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, format_placements
-from spmd.tensor.redistribute.plan import TransformStep, plan_redistribute
+from spmd.tensor.redistribute.plan import TransformStep, steps_for_spec
 from spmd.tensor.sharding.call import leaf_arguments, list_entries
 from spmd.tensor.sharding.vocabulary import Decision
 
@@ -108,12 +108,7 @@ def refuse_implicit_moves(
     for n in dict.fromkeys(decision.moves):
         dt = leaves[positions[n]]
         spec, want = dt._spec, decision.input_placements[n]
-        mesh_shape = spec.mesh.shape
-        steps = [
-            step
-            for step in plan_redistribute(spec.placements, want, spec.ndim)
-            if mesh_shape[step.mesh_dim] > 1 and step.collective != "local"
-        ]
+        steps = [step for step in steps_for_spec(spec, want) if step.collective != "local"]
         if steps:
             moved.append((n, dt, want, steps))
     if not moved:

@@ -29,14 +29,8 @@ from spmd.tensor.redistribute.collectives import (
     partition_value,
     reduce_scatter_dim,
 )
-from spmd.tensor.redistribute.plan import (
-    SCATTERED_REDUCTION_MIN_BYTES,
-    FlattenedStep,
-    TransformStep,
-    _collective_count,
-    merge_flattened_steps,
-    plan_redistribute,
-)
+from spmd.tensor.redistribute.plan import plan_for_spec
+from spmd.tensor.redistribute.steps import FlattenedStep, TransformStep
 from spmd.tensor.spec import DTensorSpec
 from spmd.tensor.trace import STATE, capture_collectives, human_bytes, log_line, op_scope
 
@@ -69,21 +63,13 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
     src = spec.placements
     if src == dst:
         return local
-    mesh_shape = spec.mesh.shape
-    if 1 in mesh_shape:  # a one-rank mesh dim already holds its target placement (see the module docstring)
-        src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
-        if src == dst:
-            return local
     mesh = spec.mesh
     coord = mesh.get_coordinate()
     if coord is None:  # not a rank of the mesh: it holds an empty piece, and takes part in nothing
         return local
-    cur = list(src)
-    # Scattering before several reductions pays off in bytes, not in latency: small tensors skip it.
-    ndim = spec.ndim if spec.tensor_meta.nbytes >= SCATTERED_REDUCTION_MIN_BYTES else None
-    steps: Sequence[TransformStep | FlattenedStep] = plan_redistribute(src, dst, ndim)
-    if len(steps) > 1 and mesh._get_root_mesh()._flattened_dims():
-        steps = _plan_with_flattened_dims(src, dst, ndim, spec)
+    # A one-rank mesh dim already holds its target placement (see plan.py's docstring).
+    cur = [t if n == 1 else s for s, t, n in zip(src, dst, mesh.shape)]
+    steps = plan_for_spec(spec, dst)
     for step in steps:
         if STATE.verbose:
             with capture_collectives() as records:
@@ -95,19 +81,6 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
         for d in step.mesh_dims if isinstance(step, FlattenedStep) else (step.mesh_dim,):
             cur[d] = step.dst
     return local
-
-
-def _plan_with_flattened_dims(
-    src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int | None, spec: DTensorSpec
-) -> list[TransformStep | FlattenedStep]:
-    """The plan with merged steps; of the plans with and without the scatter before several
-    reductions, the one of fewer collectives (one all_reduce over a flattened group beats three steps)."""
-    best = merge_flattened_steps(plan_redistribute(src, dst, ndim), spec, src)
-    if ndim is not None:
-        plain = merge_flattened_steps(plan_redistribute(src, dst, None), spec, src)
-        if _collective_count(plain) < _collective_count(best):
-            best = plain
-    return best
 
 
 def _run_any_step(
@@ -160,9 +133,7 @@ def _run_step(
     return local
 
 
-def redistribute_traced(
-    local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...], label: str
-) -> torch.Tensor:
+def redistribute_traced(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...], label: str) -> torch.Tensor:
     """``redistribute_local`` that names itself to the debug tools (verbose lines, CommDebugMode)."""
     if not STATE.listening:
         return redistribute_local(local, spec, dst)
