@@ -3,7 +3,8 @@
 Run ``python benchmarks/redistribute.py`` (``--quick`` for a subset, ``--plans`` for our plan of
 every transition that moves more than the minimum or more than torch).
 
-Accounting (both libraries, one formula, ``ring_bytes``): a collective over ``n`` ranks on a buffer
+Accounting (both libraries, one formula: the library's ring model, spmd/tensor/redistribute/cost.py,
+the one our planner minimises): a collective over ``n`` ranks on a buffer
 of ``B`` bytes per rank (the full, unsplit buffer: the gathered output of an all_gather, the stacked
 input of a reduce_scatter or all_to_all) costs the bytes a rank receives under ring algorithms:
 ``(n-1)/n * B`` for all_gather, reduce_scatter, all_to_all and scatter, ``2(n-1)/n * B`` for
@@ -29,22 +30,32 @@ Minimum (per rank, then the maximum over ranks), a lower bound built from two di
   on other mesh dims are assumed not to split the work.
 
 So R -> S and R -> P need 0; S -> R needs the bytes the rank does not hold; S(i) -> S(j) the part of
-the new shard not already held. Ratios: 0/0 prints ``-``; x/0 with x > 0 prints ``inf``.
+the new shard not already held. Ratios: 0/0 prints ``-``; x/0 with x > 0 prints ``inf``. The bound
+and the transitions live in redistribute_bound.py, torch's side in redistribute_torch.py.
+
+Reachable: our planner searches every plan of one-mesh-dim collectives, so where it stays above the
+bound no such plan reaches it. The script names the reason per transition: a mesh dim that re-cuts
+a tensor dim that a later mesh dim also cuts (in the source or the target) can run a collective only
+once that later dim lets go of it, while the bound counts a route that keeps the cut (a strided
+layout, or blocks relayed between ranks that share no mesh-dim group). The other transitions are
+"reachable"; on them ours/min is 1.00 for even shapes and a few percent above for uneven ones (every
+piece travels padded to the longest). Shapes are above 64 KiB: smaller tensors plan for the fewest
+collectives first (latency), then bytes.
 
 Ours runs in the in-process threaded world (and its values are checked against the source); the
 same transitions also run ours on the gloo processes used for torch, and the script reports
 whether the bytes agree. torch runs on gloo processes over loopback (world of 4, and of 8 for the
-3-d mesh). On a CPU mesh torch replaces all_to_all with all_gather + chunk
+3-d mesh); for the 4-d mesh (world of 16, too slow as 16 gloo processes on a small machine) it runs
+on the fake process group, rank after rank in this process, and there torch cannot run uneven
+nested shards (its gathers check sizes a fake group never fills), so those rows say n/a. On a CPU mesh torch replaces all_to_all with all_gather + chunk
 (``torch/distributed/tensor/_collective_utils.py``), so S(i) -> S(j) rows are torch's gloo path.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import math
-import re
 import sys
 import time
 import warnings
@@ -53,12 +64,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from redistribute_bound import Case, min_bytes, recut_under_later_cut, spmd_placements
+from redistribute_torch import Measured, full_tensor_of, torch_on_fake_pg, torch_rank
 
-import spmd.tensor
-from spmd.tensor import Partial, Placement, Shard, init_device_mesh
+from spmd.tensor import init_device_mesh
 from spmd.tensor.debug import CommDebugMode
-from spmd.tensor.redistribute.plan import plan_redistribute
+from spmd.tensor.redistribute.cost import received_bytes
+from spmd.tensor.redistribute.plan import plan_for_shape
 from spmd.testing import run_multiprocess, run_threaded
 from spmd.testing.layouts import make_dtensor
 
@@ -69,42 +81,57 @@ PADDING_SLACK = 1.05
 
 
 # ----- transitions ---------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Case:
-    """One redistribute: ``src -> dst`` of a float32 tensor of ``shape`` on a mesh of ``mesh_shape``."""
-
-    mesh_shape: tuple[int, ...]
-    src: tuple[str, ...]
-    dst: tuple[str, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.mesh_shape)
-
-    @property
-    def label(self) -> str:
-        return f"[{','.join(self.src)}] -> [{','.join(self.dst)}]"
-
-
 TRANSITIONS: dict[tuple[int, ...], list[tuple[str, str]]] = {
     (4,): [
-        ("S(0)", "R"), ("P", "R"), ("P", "S(0)"), ("R", "S(0)"), ("S(0)", "S(1)"),
-        ("R", "P"), ("S(0)", "P"), ("P(max)", "R"),
+        ("S(0)", "R"),
+        ("P", "R"),
+        ("P", "S(0)"),
+        ("R", "S(0)"),
+        ("S(0)", "S(1)"),
+        ("R", "P"),
+        ("S(0)", "P"),
+        ("P(max)", "R"),
     ],
     (2, 2): [
-        ("S(0),S(1)", "R,R"), ("P,S(0)", "R,R"), ("S(0),S(0)", "R,S(0)"), ("R,S(0)", "S(0),R"),
-        ("P,P", "S(0),S(1)"), ("S(1),S(0)", "S(0),S(1)"), ("P,P", "R,R"), ("S(0),S(0)", "R,R"),
+        ("S(0),S(1)", "R,R"),
+        ("P,S(0)", "R,R"),
+        ("S(0),S(0)", "R,S(0)"),
+        ("R,S(0)", "S(0),R"),
+        ("P,P", "S(0),S(1)"),
+        ("S(1),S(0)", "S(0),S(1)"),
+        ("P,P", "R,R"),
+        ("S(0),S(0)", "R,R"),
     ],
     (2, 2, 2): [
-        ("S(0),S(1),R", "R,R,R"), ("P,P,P", "R,R,R"), ("S(0),S(0),S(1)", "S(1),R,S(0)"),
+        ("S(0),S(1),R", "R,R,R"),
+        ("P,P,P", "R,R,R"),
+        ("S(0),S(0),S(1)", "S(1),R,S(0)"),
+        ("P,S(0),R", "S(0),R,S(1)"),
+        ("S(0),S(1),S(0)", "R,R,R"),
+        ("P,P,S(0)", "R,S(1),R"),
+        ("R,S(0),S(1)", "S(1),S(0),R"),
+        ("S(1),P,S(0)", "R,S(1),S(0)"),
+        ("P,R,P", "S(0),S(0),R"),
+    ],
+    (2, 2, 2, 2): [
+        ("S(0),S(0),S(0),S(0)", "R,R,R,R"),
+        ("P,P,P,P", "R,R,R,R"),
+        ("P,S(0),P,S(1)", "R,S(1),S(0),R"),
+        ("S(0),R,S(1),P", "R,S(0),R,S(1)"),
+        ("P,P,S(0),S(1)", "S(0),S(1),R,R"),
+        ("S(0),S(1),S(0),S(1)", "S(1),S(0),S(1),S(0)"),
     ],
 }
 QUICK: dict[tuple[int, ...], list[tuple[str, str]]] = {
     (4,): [("S(0)", "R"), ("P", "R"), ("S(0)", "S(1)")],
-    (2, 2): [("P,S(0)", "R,R"), ("S(1),S(0)", "S(0),S(1)")],
+    (2, 2): [("P,S(0)", "R,R"), ("S(1),S(0)", "S(0),S(1)"), ("P,P", "R,R")],
 }
-SHAPES = ((64, 48), (63, 47))
+SHAPES = ((256, 192), (255, 191))
+"""Even and uneven, and above ``SCATTERED_REDUCTION_MIN_BYTES`` (smaller tensors plan for fewest collectives)."""
+FAKE_PG_WORLD = 16
+"""From this world size on, torch runs on the fake process group, one rank after another in this
+process: 16 gloo processes on a small machine take minutes. Its collectives move nothing there, but
+its redistribute issues the same ops with the same buffers, which is all the accounting reads."""
 
 
 def build_cases(quick: bool) -> list[Case]:
@@ -117,42 +144,19 @@ def build_cases(quick: bool) -> list[Case]:
     ]
 
 
-_PLACEMENT = re.compile(r"^(?:R|S\((-?\d+)\)|P(?:\((sum|avg|max|min)\))?)$")
-
-
-def parse_placement(text: str, lib: Any) -> Any:
-    """``"S(1)"``, ``"R"``, ``"P"`` or ``"P(max)"`` as a placement of ``lib`` (spmd.tensor or torch's)."""
-    match = _PLACEMENT.match(text)
-    if match is None:
-        raise ValueError(f"cannot read placement {text!r}; write R, S(dim), P or P(op)")
-    if text == "R":
-        return lib.Replicate()
-    if text.startswith("S"):
-        return lib.Shard(int(match.group(1)))
-    return lib.Partial(match.group(2) or "sum")
-
-
-def spmd_placements(texts: Sequence[str]) -> tuple[Placement, ...]:
-    return tuple(parse_placement(t, spmd.tensor) for t in texts)
-
-
 # ----- accounting ----------------------------------------------------------------------------------
-def ring_bytes(kind: str, group_size: int, tensor_bytes: int) -> int:
-    """Bytes one rank receives for a collective on a ``tensor_bytes`` buffer (see module docstring)."""
-    n = group_size
-    if n <= 1:
-        return 0
-    if kind == "all_reduce":
-        return 2 * (n - 1) * tensor_bytes // n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all", "scatter"):
-        return (n - 1) * tensor_bytes // n
-    if kind == "broadcast":
-        return tensor_bytes
-    raise ValueError(f"no ring accounting for collective {kind!r}")
+ring_bytes = received_bytes
+"""Bytes one rank receives for a collective on a buffer: the library's ring model (module docstring)."""
 
 
-_SHORT = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A",
-          "broadcast": "BC", "scatter": "SC"}
+_SHORT = {
+    "all_gather": "AG",
+    "all_reduce": "AR",
+    "reduce_scatter": "RS",
+    "all_to_all": "A2A",
+    "broadcast": "BC",
+    "scatter": "SC",
+}
 
 
 def comms_summary(collectives: Sequence[tuple[str, int, int]]) -> str:
@@ -160,71 +164,7 @@ def comms_summary(collectives: Sequence[tuple[str, int, int]]) -> str:
     return "+".join(f"{_SHORT.get(kind, kind)}({n})" for kind, n, _ in collectives) or "-"
 
 
-# ----- the minimum ---------------------------------------------------------------------------------
-def _chunks(size: int, n: int) -> list[tuple[int, int]]:
-    """(offset, length) of the n pieces of ``size`` as torch.chunk cuts it, empty pieces at the end."""
-    step = -(-size // n) if size else 0
-    return [(min(i * step, size), max(0, min(step, size - i * step))) for i in range(n)]
-
-
-def _region(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
-            coord: Sequence[int]) -> torch.Tensor:
-    """Boolean mask of the global elements a rank at ``coord`` holds (mesh dim 0 cuts first)."""
-    start, size = [0] * len(shape), list(shape)
-    for d, p in enumerate(placements):
-        if isinstance(p, Shard):
-            offset, length = _chunks(size[p.dim], mesh_shape[d])[coord[d]]
-            start[p.dim] += offset
-            size[p.dim] = length
-    mask = torch.zeros(tuple(shape), dtype=torch.bool)
-    mask[tuple(slice(s, s + n) for s, n in zip(start, size))] = True
-    return mask
-
-
-def min_bytes(case: Case, itemsize: int = 4) -> int:
-    """The lower bound of the module docstring: max over ranks of movement + reduction bytes."""
-    src, dst = spmd_placements(case.src), spmd_placements(case.dst)
-    target = []
-    for s, t in zip(src, dst):
-        if isinstance(t, Partial) and isinstance(s, Partial) and s != t:
-            raise ValueError(f"{case.label}: no bound for changing {s} into {t}")
-        target.append(s if isinstance(t, Partial) else t)
-    reduced = [d for d, (s, t) in enumerate(zip(src, dst)) if isinstance(s, Partial) and s != t]
-    group = math.prod(case.mesh_shape[d] for d in reduced)
-    coords = list(itertools.product(*(range(n) for n in case.mesh_shape)))
-    worst = 0.0
-    for coord in coords:
-        held = _region(case.shape, case.mesh_shape, src, coord)
-        wanted = _region(case.shape, case.mesh_shape, target, coord)
-        total = float((wanted & ~held).sum())
-        if reduced:
-            # need[e]: how many members of this rank's reduction group want element e of the region.
-            need = torch.zeros(case.shape, dtype=torch.int64)
-            for other in coords:
-                if all(other[d] == coord[d] for d in range(len(coord)) if d not in reduced):
-                    need += _region(case.shape, case.mesh_shape, target, other)
-            need = need * held
-            total += float(((group + need - 2) * (need > 0)).sum()) / group
-        worst = max(worst, total)
-    return round(worst * itemsize)
-
-
 # ----- ours, threaded world ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Measured:
-    """One rank's traffic for one case: bytes received and the collectives, in issue order."""
-
-    bytes: int
-    collectives: tuple[tuple[str, int, int], ...]
-    values_ok: bool = True
-    unsupported: str = ""
-    """Why the library refused the transition (then ``bytes`` is 0 and means nothing)."""
-
-
-def _full(shape: Sequence[int]) -> torch.Tensor:
-    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(tuple(shape))
-
-
 def _ours_rank(cases: Sequence[Case], check_values: bool) -> list[Measured]:
     """Every case on this rank, with our DTensor (threaded world or gloo, whichever is current)."""
     meshes: dict[tuple[int, ...], Any] = {}
@@ -233,7 +173,7 @@ def _ours_rank(cases: Sequence[Case], check_values: bool) -> list[Measured]:
         if case.mesh_shape not in meshes:
             meshes[case.mesh_shape] = init_device_mesh("cpu", case.mesh_shape)
         mesh = meshes[case.mesh_shape]
-        full = _full(case.shape)
+        full = full_tensor_of(case.shape)
         x = make_dtensor(full, mesh, spmd_placements(case.src))
         with CommDebugMode() as mode:
             y = x.redistribute(mesh, spmd_placements(case.dst))
@@ -258,93 +198,12 @@ def measure_ours_threaded(cases: Sequence[Case]) -> list[list[Measured]]:
 
 
 # ----- torch, gloo processes -----------------------------------------------------------------------
-def _torch_collective(func: Any, args: Sequence[Any]) -> tuple[str, int, int] | None:
-    """(kind, group size, buffer bytes) of a c10d op torch's redistribute issued; None if not one."""
-    namespace, _, name = func.name().partition("::")
-    if namespace not in ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"):
-        return None
-    name = name.split(".")[0]
-    if name in ("wait_tensor", "_wrap_tensor_autograd"):
-        return None
-
-    def nbytes(value: Any) -> int:
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def size_of(group_name: Any) -> int:
-        return int(dist.distributed_c10d._resolve_process_group(group_name).size())
-
-    if name.startswith("all_gather_into_tensor"):
-        return "all_gather", int(args[1]), nbytes(args[0]) * int(args[1])
-    if name.startswith("reduce_scatter_tensor"):
-        return "reduce_scatter", int(args[2]), nbytes(args[0])
-    if name.startswith("all_reduce"):
-        return "all_reduce", size_of(args[2]), nbytes(args[0])
-    if name == "all_to_all_single":
-        return "all_to_all", size_of(args[3]), nbytes(args[0])
-    if name == "shard_dim_alltoall":
-        return "all_to_all", size_of(args[3]), nbytes(args[0])
-    if name == "broadcast":
-        return "broadcast", size_of(args[2]), nbytes(args[0])
-    raise NotImplementedError(f"torch issued {namespace}::{name}, which this benchmark cannot account for")
-
-
-def _torch_rank(cases: Sequence[Case]) -> list[Measured]:
-    """Every case on this rank, with torch.distributed.tensor."""
-    from torch.distributed import tensor as tdt
-    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._redistribute import redistribute_local_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountCollectives(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.collectives: list[tuple[str, int, int]] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            record = _torch_collective(func, args)
-            if record is not None:
-                self.collectives.append(record)
-            return func(*args, **(kwargs or {}))
-
-    meshes: dict[tuple[int, ...], Any] = {}
-    results = []
-    for case in cases:
-        if case.mesh_shape not in meshes:
-            meshes[case.mesh_shape] = torch_init_device_mesh("cpu", case.mesh_shape)
-        mesh = meshes[case.mesh_shape]
-        src = tuple(parse_placement(t, tdt) for t in case.src)
-        dst = tuple(parse_placement(t, tdt) for t in case.dst)
-        local_shape, _ = compute_local_shape_and_global_offset(case.shape, mesh, src)
-        x = tdt.DTensor.from_local(torch.ones(local_shape), mesh, src, shape=torch.Size(case.shape),
-                                   stride=_full(case.shape).stride(), run_check=False)
-        try:
-            with CountCollectives() as mode:
-                if any(p.is_partial() and p != s for p, s in zip(dst, src)):
-                    # torch's public redistribute refuses a new Partial; its executor takes it.
-                    target = DTensorSpec(mesh, dst, tensor_meta=x._spec.tensor_meta)
-                    redistribute_local_tensor(x._local_tensor, x._spec, target)
-                else:
-                    x.redistribute(mesh, dst)
-        except (RuntimeError, NotImplementedError) as error:
-            # Raised while planning, before any collective, so every rank stays in step.
-            if mode.collectives:
-                raise
-            results.append(Measured(0, (), unsupported=str(error).splitlines()[0]))
-            continue
-        collectives = tuple(mode.collectives)
-        results.append(Measured(sum(ring_bytes(*c) for c in collectives), collectives))
-    return results
-
-
 def _gloo_rank(cases: Sequence[Case]) -> tuple[list[Measured], list[Measured] | str]:
     """One gloo rank (under ``run_multiprocess``): torch's side, then ours on the same default group."""
     # torch's one-time notes (gloo's all_to_all fallback, deprecated c10d names) would bury the table.
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    theirs = _torch_rank(cases)
+    theirs = torch_rank(cases)
     try:
         ours: list[Measured] | str = _ours_rank(cases, check_values=False)
     except Exception as error:  # reported next to the table; torch's numbers still count
@@ -362,6 +221,10 @@ def measure_gloo(cases: Sequence[Case]) -> tuple[list[list[Measured]], list[list
     ours_error = ""
     for world_size in sorted({c.world_size for c in cases}):
         index = [i for i, c in enumerate(cases) if c.world_size == world_size]
+        if world_size >= FAKE_PG_WORLD:
+            for i, measured in zip(index, torch_on_fake_pg([cases[i] for i in index], world_size)):
+                torch_by_case[i] = measured
+            continue
         gathered = run_multiprocess(_gloo_rank, world_size, [cases[i] for i in index], timeout=TIMEOUT_S)
         for j, i in enumerate(index):
             torch_by_case[i] = [gathered[r][0][j] for r in range(world_size)]
@@ -390,73 +253,171 @@ def format_ratio(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else "inf" if math.isinf(value) else f"{value:.{digits}f}"
 
 
-def report(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[Measured]],
-           ours_gloo: list[list[Measured]] | str, *, plans: bool) -> None:
-    header = ("transition", "mesh", "shape", "ours", "torch", "min", "ours/min", "ours/torch",
-              "ours comms", "torch comms")
-    rows, flagged = [], []
-    worst_min: tuple[float, str] = (0.0, "")
-    worst_torch: tuple[float, str] = (0.0, "")
-    unsupported: dict[str, str] = {}
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One case's figures: the max over ranks of ours, torch's and the bound, and the ratios."""
+
+    case: Case
+    ours: int
+    torch: int | None
+    least: int
+    vs_min: float | None
+    vs_torch: float | None
+    comms: tuple[str, str]
+
+    def cells(self) -> tuple[str, ...]:
+        c = self.case
+        na = self.torch is None
+        return (
+            c.label,
+            "x".join(map(str, c.mesh_shape)),
+            "x".join(map(str, c.shape)),
+            human_bytes(self.ours),
+            "n/a" if na else human_bytes(self.torch or 0),
+            human_bytes(self.least),
+            format_ratio(self.vs_min),
+            "n/a" if na else format_ratio(self.vs_torch),
+            *self.comms,
+        )
+
+
+def build_rows(cases: Sequence[Case], ours: list[list[Measured]], theirs: list[list[Measured]]) -> list[Row]:
+    rows = []
     for case, mine, other in zip(cases, ours, theirs):
-        ours_b, torch_b, least = max(m.bytes for m in mine), max(m.bytes for m in other), min_bytes(case)
-        vs_min, vs_torch = ratio(ours_b, least), ratio(ours_b, torch_b)
-        if other[0].unsupported:
-            unsupported[case.label] = other[0].unsupported
-            vs_torch = None
-        name = f"{case.label} mesh {case.mesh_shape} {case.shape}"
-        if vs_min is not None and vs_min > worst_min[0]:
-            worst_min = (vs_min, name)
-        if vs_torch is not None and vs_torch > worst_torch[0]:
-            worst_torch = (vs_torch, name)
-        # Padding uneven shards to equal blocks costs up to a few percent; flag only real excess.
-        if (vs_min or 0) > PADDING_SLACK or (vs_torch or 0) > PADDING_SLACK:
-            flagged.append(case)
-        rows.append((case.label, "x".join(map(str, case.mesh_shape)), "x".join(map(str, case.shape)),
-                     human_bytes(ours_b), "n/a" if other[0].unsupported else human_bytes(torch_b),
-                     human_bytes(least), format_ratio(vs_min),
-                     "n/a" if other[0].unsupported else format_ratio(vs_torch),
-                     comms_summary(mine[0].collectives),
-                     "n/a" if other[0].unsupported else comms_summary(other[0].collectives)))
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+        ours_b, least = max(m.bytes for m in mine), min_bytes(case)
+        torch_b = None if other[0].unsupported else max(m.bytes for m in other)
+        rows.append(
+            Row(
+                case,
+                ours_b,
+                torch_b,
+                least,
+                ratio(ours_b, least),
+                None if torch_b is None else ratio(ours_b, torch_b),
+                (comms_summary(mine[0].collectives), "n/a" if torch_b is None else comms_summary(other[0].collectives)),
+            )
+        )
+    return rows
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    header = (
+        "transition",
+        "mesh",
+        "shape",
+        "ours",
+        "torch",
+        "min",
+        "ours/min",
+        "ours/torch",
+        "ours comms",
+        "torch comms",
+    )
+    cells = [r.cells() for r in rows]
+    widths = [max(len(str(r[i])) for r in (header, *cells)) for i in range(len(header))]
     right = {3, 4, 5, 6, 7}
 
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
-    print("bytes received per rank (max over ranks), ring accounting; "
-          "ours: threaded world, torch: gloo processes")
+    print(
+        "bytes received per rank (max over ranks), ring accounting; ours: threaded world, torch: gloo "
+        f"processes (fake process group from a world of {FAKE_PG_WORLD})"
+    )
     print(line(header))
     print("  ".join("-" * w for w in widths))
-    for row in rows:
+    for row in cells:
         print(line(row))
+
+
+def _worst(rows: Sequence[Row], field: str) -> tuple[float, str]:
+    found = [
+        (getattr(r, field), f"{r.case.label} mesh {r.case.mesh_shape} {r.case.shape}")
+        for r in rows
+        if getattr(r, field) is not None
+    ]
+    return max(found, default=(0.0, ""))
+
+
+def print_summary(rows: Sequence[Row]) -> None:
+    """The worst ratios, overall and per mesh rank, and why each transition above the bound stops short."""
+    reachable = [r for r in rows if recut_under_later_cut(r.case) is None]
     print()
-    print(f"worst ours/min:   {format_ratio(worst_min[0], 3)} ({worst_min[1]})")
-    print(f"worst ours/torch: {format_ratio(worst_torch[0], 3)} ({worst_torch[1]})")
-    for label, why in unsupported.items():
-        print(f"torch n/a for {label}: {why}")
+    for field, name, subset in (
+        ("vs_min", "ours/min", rows),
+        ("vs_min", "ours/min, bound reachable", reachable),
+        ("vs_torch", "ours/torch", rows),
+    ):
+        value, where = _worst(subset, field)
+        print(f"worst {name + ':':<27}{format_ratio(value, 3)} ({where})")
+    even = [r for r in reachable if not any(n % math.prod(r.case.mesh_shape) for n in r.case.shape)]
+    print(
+        f"worst {'ours/min, reachable, even:':<27}{format_ratio(_worst(even, 'vs_min')[0], 3)} "
+        "(uneven shapes pad each piece to the longest, up to a few percent)"
+    )
+    for ndim in sorted({len(r.case.mesh_shape) for r in rows}):
+        mine = [r for r in rows if len(r.case.mesh_shape) == ndim]
+        reach = [r for r in mine if r in reachable]
+        print(
+            f"  {ndim}-d mesh: worst ours/min {format_ratio(_worst(mine, 'vs_min')[0], 3)} "
+            f"({format_ratio(_worst(reach, 'vs_min')[0], 3)} where reachable), "
+            f"worst ours/torch {format_ratio(_worst(mine, 'vs_torch')[0], 3)}"
+        )
+    out_of_reach = {(r.case.mesh_shape, r.case.src, r.case.dst): r for r in rows if r not in reachable}
+    if out_of_reach:
+        print("bound out of reach of one-mesh-dim collectives (the planner searched them all):")
+    for r in out_of_reach.values():
+        print(f"  {r.case.label} mesh {'x'.join(map(str, r.case.mesh_shape))}: {recut_under_later_cut(r.case)}")
+
+
+def report(
+    cases: Sequence[Case],
+    ours: list[list[Measured]],
+    theirs: list[list[Measured]],
+    ours_gloo: list[list[Measured]] | str,
+    *,
+    plans: bool,
+) -> None:
+    rows = build_rows(cases, ours, theirs)
+    print_table(rows)
+    print_summary(rows)
+    for r in rows:
+        if r.torch is None:
+            print(f"torch n/a for {r.case.label}: {theirs[cases.index(r.case)][0].unsupported}")
     bad_values = [c.label + f" {c.shape}" for c, m in zip(cases, ours) if not all(r.values_ok for r in m)]
     print(f"our values: {'all match the source' if not bad_values else 'WRONG for ' + '; '.join(bad_values)}")
     if isinstance(ours_gloo, str):
         print(f"ours on gloo: FAILED, {ours_gloo}")
     else:
-        differ = [f"{c.label} {c.shape}" for c, a, b in zip(cases, ours, ours_gloo)
-                  if [r.bytes for r in a] != [r.bytes for r in b]]
-        print("ours on gloo: " + ("differs for " + "; ".join(differ) if differ
-                                  else f"same bytes as threaded on all {len(cases)}"))
+        pairs = [(c, a, b) for c, a, b in zip(cases, ours, ours_gloo) if b]
+        differ = [f"{c.label} {c.shape}" for c, a, b in pairs if [r.bytes for r in a] != [r.bytes for r in b]]
+        print(
+            "ours on gloo: "
+            + (
+                "differs for " + "; ".join(differ)
+                if differ
+                else f"same bytes as threaded on all {len(pairs)} run there"
+            )
+        )
+    flagged = [r.case for r in rows if (r.vs_min or 0) > PADDING_SLACK or (r.vs_torch or 0) > PADDING_SLACK]
     if plans and flagged:
         print(f"\nour plans where ours/min or ours/torch exceeds {PADDING_SLACK}:")
-        for src, dst in dict.fromkeys((c.src, c.dst) for c in flagged):
-            print(f"  [{','.join(src)}] -> [{','.join(dst)}]")
-            for step in plan_redistribute(spmd_placements(src), spmd_placements(dst)):
+        for case in flagged:
+            print(f"  {case.label} mesh {case.mesh_shape} {case.shape}")
+            for step in plan_for_shape(
+                spmd_placements(case.src), spmd_placements(case.dst), case.mesh_shape, case.shape
+            ):
                 print(f"    {step}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few transitions on one shape, world of 4 only")
-    parser.add_argument("--plans", action="store_true",
-                        help="print our plan for each transition that moves more than the minimum or torch")
+    parser.add_argument(
+        "--plans",
+        action="store_true",
+        help="print our plan for each transition that moves more than the minimum or torch",
+    )
     args = parser.parse_args(argv)
     cases = build_cases(args.quick)
     started = time.monotonic()
