@@ -27,6 +27,7 @@ from typing_extensions import Self
 
 from spmd.fsdp.state import add_storage_resize_observer
 from spmd.tensor import DTensor
+from spmd.tensor.sharding.propagator import inferring_shapes
 
 __all__ = ["MemoryTracker", "StateBytes", "training_state_bytes", "local_storages"]
 
@@ -123,6 +124,8 @@ class MemoryTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor's dispatch runs the local ops, which come back here
         out = func(*args, **(kwargs or {}))
+        if inferring_shapes():  # the propagator learning an output's shape: not the program's memory
+            return out
         fresh = self._fresh.get(func)
         if fresh is None:
             fresh = self._fresh[func] = _fresh_outputs(func)

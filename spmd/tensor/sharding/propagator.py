@@ -11,8 +11,10 @@ earlier candidate, so the choice is deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +27,25 @@ from spmd.tensor.sharding.vocabulary import Decision, OpCall, OpStrategy, Shardi
 from spmd.tensor.spec import DTensorSpec, TensorMeta
 from spmd.tensor.trace import FALLBACKS
 
-__all__ = ["ShardingPropagator", "is_inplace", "fallback_refusal"]
+__all__ = ["ShardingPropagator", "is_inplace", "fallback_refusal", "inferring_shapes"]
+
+_shape_inference = threading.local()
+
+
+def inferring_shapes() -> bool:
+    """True while the calling thread runs an op on meta tensors of the global shapes to learn its
+    outputs' shapes: not part of the program, so tools watching local ops (the simulator's memory
+    tracker, FLOP counts) skip what runs then."""
+    return bool(getattr(_shape_inference, "depth", 0))
+
+
+@contextlib.contextmanager
+def _inferring_shapes() -> Iterator[None]:
+    _shape_inference.depth = getattr(_shape_inference, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _shape_inference.depth -= 1
 
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
 
@@ -130,7 +150,8 @@ class ShardingPropagator:
         meta_args, meta_kwargs = unflatten_call(meta_leaves, shape, kwarg_names)
         try:
             # an op that returns no tensor (fused optimizers, item()) has no output shape to find
-            meta_out = op(*meta_args, **meta_kwargs) if self.registry.entry(op).returns_tensors else ()
+            with _inferring_shapes():
+                meta_out = op(*meta_args, **meta_kwargs) if self.registry.entry(op).returns_tensors else ()
         except Exception as error:
             raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
