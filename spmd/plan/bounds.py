@@ -89,6 +89,8 @@ def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batc
         bubble_steps * (compute + blocks[-1] * per_block),
         m * fewest * dp_per_block + bubble_steps * fewest * per_block,
     )
+    if not cluster.overlap:  # nothing hides: every collective adds
+        step = max(step, bubble_steps * (compute + blocks[-1] * per_block) + m * fewest * dp_per_block)
     return Bounds(memory=SAFETY * memory, state=SAFETY * state, step_s=SAFETY * step)
 
 

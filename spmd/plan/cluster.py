@@ -22,6 +22,9 @@ class Cluster:
     links: Links = field(default_factory=Links)
     compute_efficiency: float = 1.0
     """The share of ``peak_flops`` the kernels reach (1.0: the FLOP bound itself)."""
+    overlap: bool = True
+    """Data-parallel collectives run beside compute (GPU streams). False where a collective blocks
+    the rank until it ends (gloo on CPU): every collective's time then adds to the step."""
 
     @property
     def flops(self) -> float:

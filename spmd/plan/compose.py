@@ -276,7 +276,7 @@ def step_time(key: ProgramKey, layout: Layout, cluster: Cluster, stages: Sequenc
     compute = m * slowest.microbatch.flops / cluster.flops
     exposed = {d: m * t for d, t in exposed_mb.items()}
     hidden: dict[str, float] = {}
-    budget = compute  # data-parallel collectives hide under the step's compute
+    budget = compute if cluster.overlap else 0.0  # data-parallel collectives hide under the step's compute
     for d, t in sorted(overlapped.items()):
         hidden[d] = min(t, budget)
         budget -= hidden[d]
