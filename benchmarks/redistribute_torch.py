@@ -137,5 +137,5 @@ def torch_on_fake_pg(cases: Sequence[Case], world_size: int) -> list[list[Measur
 def torch_case_on_fake_pg(case: Case) -> Measured:
     try:
         return torch_rank([case])[0]
-    except RuntimeError as error:  # torch's uneven nested gathers check sizes a fake group never fills
+    except RuntimeError as error:  # a check of torch's that a group moving no data can fail
         return Measured(0, (), unsupported=f"fails on the fake process group ({str(error).splitlines()[0][:60]})")
