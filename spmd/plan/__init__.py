@@ -13,16 +13,16 @@ Modules, one job each::
   recorder.py  memory events, collectives and FLOPs between marks of a simulated step
   compose.py   a layout's step from its program: stages, schedule, memory, time by kind
   bounds.py    closed-form lower bounds that prune before simulating
-  search.py    enumerate, prune, branch and bound, rank
+  branch_and_bound.py  enumerate, prune, branch and bound, rank
   why.py       the reasons a plan wins: memory and time by kind, the binding constraints
   report.py    the tables, --explain, the frontier plot
   cli.py       python -m spmd.plan
 """
 
+from spmd.plan.branch_and_bound import SearchResult, evaluate, search_layouts
 from spmd.plan.cluster import Cluster, Workload
 from spmd.plan.layout import Layout, parse_layout
 from spmd.plan.llama import GPT_PRESETS, LLAMA_PRESETS, LlamaConfig
-from spmd.plan.search import SearchResult, evaluate, search_layouts
 
 search = search_layouts
 

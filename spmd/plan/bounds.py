@@ -4,8 +4,8 @@ Each bound counts only what every layout of that shape must do, so it never exce
 simulation finds (tests check it on every layout of small searches):
 
 * memory: the parameters, gradients and AdamW state of the fullest stage, sharded over tp and
-  FSDP's dp_shard x cp as if nothing were replicated, plus each block's input (which every
-  block keeps for backward, checkpointed or not) for every micro-batch in flight on stage 0;
+  FSDP's dp_shard x cp as if nothing were replicated, plus what each block must keep for backward
+  under its checkpointing (``saved_per_token``) for every micro-batch in flight on stage 0;
 * compute: the matrix products of the blocks and the head (forward, backward, and the forward
   again but its last product for fully checkpointed blocks) and causal attention, over the FLOP/s;
 * tensor parallel: two all-reduces' worth (or reduce-scatter plus all-gather) of the block's
@@ -64,8 +64,8 @@ def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batc
     in_flight = m if layout.schedule == "GPipe" or pp == 1 else min(pp, m)
     if pp == 1:
         in_flight = 1
-    block_input = micro_batch * seq // cp * cfg.dim * item / (tp if layout.sp else 1)
-    memory = state + blocks[0] * in_flight * block_input
+    saved = micro_batch * seq // cp * saved_per_token(cfg, layout) * item
+    memory = state + blocks[0] * in_flight * saved
 
     tokens = micro_batch * seq // cp
     linear = cfg.layer_params() - 2 * cfg.dim
@@ -120,3 +120,21 @@ def _data_parallel_comm_per_block(cfg: LlamaConfig, layout: Layout, cluster: Clu
     block = cfg.layer_params() * item / layout.tp
     seconds = 3 * _ring("all_gather", shard, block, cluster)
     return seconds + _ring("all_reduce", layout.dp_replicate, block / shard, cluster)
+
+
+def saved_per_token(cfg: LlamaConfig, layout: Layout) -> float:
+    """Elements one block keeps for backward per token of its micro-batch, at least.
+
+    ``full``: its input. ``selective``: its input and the outputs of its products (q, k, v,
+    attention, the two row-wise outputs as whole partial sums, the two up projections). ``none``:
+    the norms' inputs and outputs (the gathered ones whole), q and the repeated k and v, attention's
+    output, the up projections' outputs and the down projection's input.
+    """
+    d, tp = cfg.dim, layout.tp
+    sequence_sharded = tp if layout.sp else 1
+    kv = cfg.kv_heads * cfg.head_dim
+    if layout.ac == "full":
+        return d / sequence_sharded
+    if layout.ac == "selective":
+        return d / sequence_sharded + (2 * d + 2 * kv + 2 * cfg.ffn_dim) / tp + 2 * d
+    return 2 * d / sequence_sharded + 2 * d + (4 * d + 3 * cfg.ffn_dim) / tp

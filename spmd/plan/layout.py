@@ -12,7 +12,6 @@ groups are the ones that share a node.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 __all__ = ["Layout", "MESH_DIMS", "AC_MODES", "SCHEDULES", "parse_layout"]

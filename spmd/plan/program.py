@@ -20,7 +20,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +30,10 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from spmd.checkpoint.optimizer_state import init_optimizer_state
-from spmd.comm import CollectiveRecord, use_world
+from spmd.comm import use_world
 from spmd.fsdp import fully_shard
 from spmd.plan.llama import Llama, LlamaConfig
-from spmd.plan.recorder import StepRecorder
+from spmd.plan.recorder import Segment, StepRecorder
 from spmd.simulate.memory import local_storages
 from spmd.simulate.meta_semantics import MetaAsCpu
 from spmd.simulate.world import SimulatedWorld
@@ -71,16 +71,6 @@ class ProgramKey:
     """Sequences per micro-batch on each data-parallel rank."""
     seq: int
     dtype: torch.dtype = torch.bfloat16
-
-
-@dataclass(slots=True)
-class Segment:
-    """A stretch of the step's timeline: memory changes, collectives and FLOPs, in program order."""
-
-    events: list[tuple[int, int]] = field(default_factory=list)
-    """(storage token, byte change)."""
-    records: list[CollectiveRecord] = field(default_factory=list)
-    flops: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +232,7 @@ def _mark_blocks(model: Llama, recorder: StepRecorder) -> list[Any]:
         handles.append(block.register_forward_hook(after))
     first = model.layers[0]
 
-        # the end of block 0's backward: the gradient of its input
+    # the end of block 0's backward: the gradient of its input
     def input_grad(module: nn.Module, args: Any) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
             args[0].register_hook(lambda grad: recorder.mark("embed_bwd"))

@@ -8,18 +8,20 @@ piece's events, collectives and FLOPs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
 from typing_extensions import Self
 
+from spmd.comm import CollectiveRecord
 from spmd.simulate.memory import MemoryTracker
 from spmd.tensor import DTensor
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor.sharding.propagator import inferring_shapes
 
-__all__ = ["StepRecorder", "attention_flops"]
+__all__ = ["StepRecorder", "Segment", "attention_flops"]
 
 _aten = torch.ops.aten
 _ATTENTION_FORWARD = {_aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -46,6 +48,18 @@ def _op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
         return int(BACKWARD_ATTENTION_FACTOR * attention_flops(args[1], args[2], causal))
     count = flop_registry.get(func.overloadpacket)
     return int(count(*args, out_val=out, **kwargs)) if count is not None else 0
+
+
+@dataclass(slots=True)
+class Segment:
+    """A stretch of the step's timeline: memory changes, collectives and FLOPs, in program order."""
+
+    events: list[tuple[int, int]] = field(default_factory=list)
+    """(storage token, byte change)."""
+    records: list[CollectiveRecord] = field(default_factory=list)
+    flops: int = 0
+    causes: list[tuple[str, str, bool]] = field(default_factory=list)
+    """For each of ``records``: the op that issued it, the innermost module, whether in backward."""
 
 
 class StepRecorder(MemoryTracker):
@@ -76,14 +90,18 @@ class StepRecorder(MemoryTracker):
     def mark(self, name: str) -> None:
         """Start piece ``name`` here (a name marked again, as in a recomputed forward, is ignored)."""
         if all(seen != name for seen, *_ in self._marks):
-            self._marks.append((name, len(self.events), len(self.comm.records), self.flops))
+            self._marks.append((name, len(self.events), len(self.comm.events), self.flops))
 
-    def pieces(self) -> dict[str, Any]:
+    def pieces(self) -> dict[str, Segment]:
         """Each mark's piece: the events, collectives and FLOPs from it to the next mark (or the end)."""
-        from spmd.plan.program import Segment
-
-        ends = [*self._marks[1:], ("", len(self.events), len(self.comm.records), self.flops)]
+        ends = [*self._marks[1:], ("", len(self.events), len(self.comm.events), self.flops)]
+        events = self.comm.events
         return {
-            name: Segment(self.events[e0:e1], list(self.comm.records[r0:r1]), f1 - f0)
+            name: Segment(
+                self.events[e0:e1],
+                [e.record for e in events[r0:r1]],
+                f1 - f0,
+                [(e.op, e.modules[-1] if e.modules else "", e.backward) for e in events[r0:r1]],
+            )
             for (name, e0, r0, f0), (_, e1, r1, f1) in zip(self._marks, ends)
         }

@@ -234,7 +234,9 @@ def relaxed(layout: Layout) -> list[tuple[str, Layout]]:
     if layout.dp_shard > 1 and layout.dp_shard % 2 == 0:
         out.append(("dp_shard", replace(layout, dp_shard=layout.dp_shard // 2, dp_replicate=layout.dp_replicate * 2)))
     if layout.dp_replicate > 1 and layout.dp_replicate % 2 == 0:
-        out.append(("dp_replicate", replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2)))
+        out.append(
+            ("dp_replicate", replace(layout, dp_replicate=layout.dp_replicate // 2, dp_shard=layout.dp_shard * 2))
+        )
     if layout.tp > 1 and not layout.sp:
         out.append(("sp", replace(layout, sp=True)))
     return out
