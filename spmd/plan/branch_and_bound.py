@@ -87,24 +87,34 @@ def not_searched(layout: Layout) -> str | None:
     return None
 
 
+def admissible(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Workload) -> bool:
+    """Whether the model's shapes and the batch allow ``layout`` on ``cluster`` (runnable or not)."""
+    tp, cp, pp, m = layout.tp, layout.cp, layout.pp, layout.microbatches
+    if layout.world_size != cluster.world or workload.global_batch % (layout.dp * m) or cfg.layers < pp:
+        return False
+    if cfg.kv_heads % tp or cfg.ffn_dim % tp or tp > cluster.ranks_per_node:
+        return False
+    if workload.seq % (2 * cp) or (tp > 1 and workload.seq // cp % tp):
+        return False
+    return pp == 1 or m >= pp
+
+
 def candidate_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) -> Iterator[Layout]:
     """Every layout of the search space that the model's shapes and the batch allow (default mesh order).
 
     It includes the layouts spmd cannot run yet (``not_searched``); the search sets them apart.
+    Micro-batch counts are powers of two (at least the pipeline's depth).
     """
     for pp, replicate, shard, cp, tp in factorizations(cluster.world, 5):
         dp = replicate * shard
-        if workload.global_batch % dp or cfg.layers < pp:
+        if workload.global_batch % dp:
             continue
-        if cfg.kv_heads % tp or cfg.ffn_dim % tp or tp > cluster.ranks_per_node:
-            continue
-        if workload.seq % (2 * cp) or (tp > 1 and workload.seq // cp % tp):
-            continue
-        local = workload.global_batch // dp
-        counts = [m for m in _powers_of_two_upto(local) if m >= pp] if pp > 1 else _powers_of_two_upto(local)
+        counts = _powers_of_two_upto(workload.global_batch // dp)
         for sp, ac, m in itertools.product((False, True) if tp > 1 else (False,), AC_MODES, counts):
             for schedule in ("1F1B", "GPipe") if pp > 1 else ("1F1B",):
-                yield Layout(replicate, shard, cp, tp, pp, sp, ac, m, schedule)
+                layout = Layout(replicate, shard, cp, tp, pp, sp, ac, m, schedule)
+                if admissible(cfg, layout, cluster, workload):
+                    yield layout
 
 
 def program_key(cfg: LlamaConfig, layout: Layout, workload: Workload, dtype: torch.dtype) -> ProgramKey:

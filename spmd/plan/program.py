@@ -49,7 +49,17 @@ from spmd.tensor_parallel import (
     parallelize_module,
 )
 
-__all__ = ["ProgramKey", "Program", "Segment", "simulate_program", "build", "train_microbatch", "PROGRAM_BLOCKS"]
+__all__ = [
+    "ProgramKey",
+    "Program",
+    "Segment",
+    "simulate_program",
+    "simulate_whole",
+    "WholeStep",
+    "build",
+    "train_microbatch",
+    "PROGRAM_BLOCKS",
+]
 
 PROGRAM_BLOCKS = 3
 """Blocks in the simulated program: the first and last differ from the rest (prefetch, edges)."""
@@ -132,21 +142,21 @@ class _Checkpointed(nn.Module):
         self.mode = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        modes = _get_current_function_mode_stack()
+        modes = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
 
         def run(t: torch.Tensor) -> torch.Tensor:
             # the recompute in backward runs without the torch-function modes (the simulated CPU
             # attention, context parallel's); open the ones the forward ran under again
             with contextlib.ExitStack() as stack:
-                if not _get_current_function_mode_stack():
+                if not _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
                     for mode in modes:
                         stack.enter_context(mode)
-                return self.block(t)  # type: ignore[no-any-return]
+                return self.block(t)
 
         if self.mode == "full":
-            return checkpoint(run, x, use_reentrant=False)  # type: ignore[no-any-return]
+            return checkpoint(run, x, use_reentrant=False)
         contexts = functools.partial(create_selective_checkpoint_contexts, _SAVED_BY_SELECTIVE)
-        return checkpoint(run, x, use_reentrant=False, context_fn=contexts)  # type: ignore[no-any-return]
+        return checkpoint(run, x, use_reentrant=False, context_fn=contexts)
 
 
 def _data_parallel_mesh(mesh: DeviceMesh, key: ProgramKey) -> DeviceMesh | None:
@@ -226,7 +236,7 @@ def _mark_blocks(model: Llama, recorder: StepRecorder) -> list[Any]:
             if i == PROGRAM_BLOCKS - 1:
                 recorder.mark("head")
             if out.requires_grad:
-                out.register_hook(lambda grad, i=i: recorder.mark(backward[i]))  # type: ignore[misc]
+                out.register_hook(lambda grad, i=i: recorder.mark(backward[i]))  # type: ignore[no-untyped-call]
 
         handles.append(block.register_forward_pre_hook(before))
         handles.append(block.register_forward_hook(after))
@@ -235,7 +245,7 @@ def _mark_blocks(model: Llama, recorder: StepRecorder) -> list[Any]:
     # the end of block 0's backward: the gradient of its input
     def input_grad(module: nn.Module, args: Any) -> None:
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            args[0].register_hook(lambda grad: recorder.mark("embed_bwd"))
+            args[0].register_hook(lambda grad: recorder.mark("embed_bwd"))  # type: ignore[no-untyped-call]
 
     handles.append(first.register_forward_pre_hook(input_grad))
     return handles
@@ -290,3 +300,37 @@ def _param_bytes(model: Llama) -> dict[str, int]:
         "embed": local_bytes(model.tok_embeddings),
         "head": local_bytes(model.norm) + local_bytes(model.output),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class WholeStep:
+    """One micro-batch of the whole model simulated at once (no pieces): what composition must equal."""
+
+    peak: int
+    """Parameters, optimizer state and the step's peak (gradients included), as ``StageEstimate.peak``."""
+    flops: int
+    records: tuple[tuple[str, int, int], ...]
+    """(kind, group size, buffer bytes) of every collective, in order."""
+
+
+def simulate_whole(key: ProgramKey, layers: int) -> WholeStep:
+    """Simulate one micro-batch of all ``layers`` blocks and the optimizer step, without cutting it.
+
+    Slower than ``simulate_program`` for deep models; the tests compare the two.
+    """
+    world = key.dp_replicate * key.dp_shard * key.cp * key.tp
+    shape = tuple(getattr(key, dim) for dim in PROGRAM_DIMS)
+    with use_world(SimulatedWorld(world, rank=0)), MetaAsCpu():
+        mesh = init_device_mesh("meta", shape, mesh_dim_names=PROGRAM_DIMS)
+        model, optimizer = build(key, mesh, layers=layers)
+        init_optimizer_state(optimizer)
+        optimizer.zero_grad()
+        params = sum(_local(p).nbytes for p in model.parameters())
+        state = sum(_local(v).nbytes for s in optimizer.state.values() for v in s.values() if v.ndim)
+        tokens = torch.empty(key.micro_batch, key.seq, dtype=torch.long, device="meta")
+        targets = torch.empty_like(tokens)
+        with StepRecorder(local_storages(model, optimizer)) as recorder:
+            train_microbatch(model, key, mesh, tokens, targets)
+            optimizer.step()
+    records = tuple((r.kind, r.group_size, r.tensor_bytes) for r in recorder.comm.records)
+    return WholeStep(params + state + recorder.peak(), recorder.flops, records)

@@ -62,7 +62,7 @@ class Segment:
     """For each of ``records``: the op that issued it, the innermost module, whether in backward."""
 
 
-class StepRecorder(MemoryTracker):
+class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
     """Memory events (``MemoryTracker``), collectives and FLOPs of the local ops, between marks."""
 
     def __init__(self, known: Any = ()) -> None:
@@ -85,7 +85,7 @@ class StepRecorder(MemoryTracker):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.comm.__exit__(*exc)
+        self.comm.__exit__(None, None, None)
 
     def mark(self, name: str) -> None:
         """Start piece ``name`` here (a name marked again, as in a recomputed forward, is ignored)."""
