@@ -42,19 +42,18 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch and spmd load in the functions that use them: --help and importing stay cheap
+    import torch
 
-from spmd.plan.cluster import Cluster, Workload
-from spmd.plan.layout import MESH_DIMS, Layout, parse_layout
-from spmd.plan.llama import GPT_PRESETS, LlamaConfig
-from spmd.simulate.plan import Link, Links
-from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
+    from spmd.plan.cluster import Cluster, Workload
+    from spmd.plan.layout import Layout
+    from spmd.plan.llama import LlamaConfig
+    from spmd.simulate.plan import Link
 
-MODEL = GPT_PRESETS["demo"]
-"""The demo GPT's shape: 4 blocks, dim 256, 8 heads, a 1024 GELU MLP, vocab 2048."""
-DTYPE = torch.float32
+DEMO_DIM = 256
+"""The demo GPT (``GPT_PRESETS["demo"]``): 4 blocks, dim 256, 8 heads, a 1024 GELU MLP, vocab 2048."""
 SEQ = 256
 GLOBAL_BATCH = 16
 LAYOUTS: dict[int, tuple[str, ...]] = {
@@ -86,6 +85,9 @@ class Calibration:
         return fit_link(self.all_reduce_s, self.world)
 
     def cluster(self) -> Cluster:
+        from spmd.plan.cluster import Cluster
+        from spmd.simulate.plan import Links
+
         link = self.link()
         return Cluster(
             world=self.world,
@@ -127,6 +129,9 @@ class Row:
 def fit_link(points: Sequence[tuple[int, float]], world: int) -> Link:
     """The ring-model link that best fits measured all_reduce times: least squares on relative error
     over the two unknowns (latency per round, seconds per byte received)."""
+    from spmd.simulate.plan import Link
+    from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
+
     rounds = collective_rounds("all_reduce", world)
     rows = [(rounds / t, received_bytes("all_reduce", world, nbytes) / t) for nbytes, t in points]
     # normal equations of  min sum (a*latency + b*inverse_bandwidth - 1)^2
@@ -159,6 +164,9 @@ def _linear_shapes(cfg: LlamaConfig, tokens: int) -> list[tuple[int, int, int]]:
 
 def measure_flops(cfg: LlamaConfig, tokens: int, seconds: float) -> float:
     """This rank's float32 FLOP/s on the model's matrix products, all ranks running at once."""
+    import torch
+    import torch.distributed as dist
+
     operands = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in _linear_shapes(cfg, tokens)]
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in operands)
     for a, b in operands:  # warm-up
@@ -174,6 +182,9 @@ def measure_flops(cfg: LlamaConfig, tokens: int, seconds: float) -> float:
 
 def measure_all_reduce(sizes: Sequence[int], repeats: int) -> list[tuple[int, float]]:
     """(bytes, seconds) of all_reduce over the world: the slowest rank's median for each size."""
+    import torch
+    import torch.distributed as dist
+
     out = []
     for nbytes in sizes:
         buffer = torch.ones(nbytes // 4)
@@ -193,35 +204,42 @@ def measure_all_reduce(sizes: Sequence[int], repeats: int) -> list[tuple[int, fl
 # ----- the layouts, trained for real -----------------------------------------------------------------
 def _layout(text: str) -> Layout:
     """The layout in the default mesh order: the order of the real mesh and of its program."""
+    from spmd.plan.layout import MESH_DIMS, parse_layout
+
     return replace(parse_layout(text), order=MESH_DIMS)
 
 
-def program_key(layout: Layout, workload: Workload) -> object:
+def program_key(cfg: LlamaConfig, layout: Layout, workload: Workload) -> object:
+    import torch
+
     from spmd.plan.program import ProgramKey
 
     micro_batch = workload.global_batch // layout.dp // layout.microbatches
-    return ProgramKey(MODEL, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.sp, layout.ac,
-                      micro_batch, workload.seq, DTYPE)  # fmt: skip
+    return ProgramKey(cfg, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.sp, layout.ac,
+                      micro_batch, workload.seq, torch.float32)  # fmt: skip
 
 
 class _Trained:
     """One layout on this rank: its mesh, model, optimizer and this data-parallel rank's batches."""
 
-    def __init__(self, layout: Layout, workload: Workload) -> None:
+    def __init__(self, cfg: LlamaConfig, layout: Layout, workload: Workload) -> None:
+        import torch
+        import torch.distributed as dist
+
         from spmd.plan.program import build
         from spmd.tensor import init_device_mesh
 
-        self.layout, self.key = layout, program_key(layout, workload)
+        self.layout, self.key = layout, program_key(cfg, layout, workload)
         shape = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
         self.mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
         torch.manual_seed(0)
-        self.model, self.optimizer = build(self.key, self.mesh, layers=MODEL.layers, device="cpu")  # type: ignore[arg-type]
+        self.model, self.optimizer = build(self.key, self.mesh, layers=cfg.layers, device="cpu")  # type: ignore[arg-type]
         dp_rank = dist.get_rank() // (layout.cp * layout.tp)
         generator = torch.Generator().manual_seed(dp_rank)
         micro_batch = self.key.micro_batch  # type: ignore[attr-defined]
         self.batches = [
-            (torch.randint(MODEL.vocab, (micro_batch, workload.seq), generator=generator),
-             torch.randint(MODEL.vocab, (micro_batch, workload.seq), generator=generator))
+            (torch.randint(cfg.vocab, (micro_batch, workload.seq), generator=generator),
+             torch.randint(cfg.vocab, (micro_batch, workload.seq), generator=generator))
             for _ in range(layout.microbatches)
         ]  # fmt: skip
 
@@ -237,6 +255,8 @@ class _Trained:
         self.optimizer.step()
 
     def timed_step(self) -> float:
+        import torch.distributed as dist
+
         batches = self.inputs()
         dist.barrier()
         start = time.perf_counter()
@@ -262,16 +282,16 @@ def _quiet_torch() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _rank(layouts: Sequence[str], workload: Workload, steps: int, calibrate_s: float,
+def _rank(cfg: LlamaConfig, layouts: Sequence[str], workload: Workload, steps: int, calibrate_s: float,
           repeats: int) -> tuple[float, list[tuple[int, float]], list[tuple[str, list[float], int]]]:  # fmt: skip
     """One gloo rank: calibration, then every layout trained; (FLOP/s, all_reduce times, per layout
     (name, this rank's step times, this rank's peak))."""
     _quiet_torch()
     first = _layout(layouts[0])
     tokens = workload.global_batch // first.dp // first.microbatches * workload.seq // first.cp
-    flops = measure_flops(MODEL, tokens, calibrate_s)
+    flops = measure_flops(cfg, tokens, calibrate_s)
     all_reduce = measure_all_reduce(ALL_REDUCE_BYTES, repeats)
-    trained = [_Trained(_layout(text), workload) for text in layouts]
+    trained = [_Trained(cfg, _layout(text), workload) for text in layouts]
     for t in trained:  # warm-up: the optimizer state, the sharding caches
         t.timed_step()
     peaks = [t.peak_bytes() for t in trained]
@@ -282,12 +302,12 @@ def _rank(layouts: Sequence[str], workload: Workload, steps: int, calibrate_s: f
     return flops, all_reduce, [(text, s, p) for text, s, p in zip(layouts, times, peaks)]
 
 
-def measure(world: int, layouts: Sequence[str], workload: Workload, *, steps: int, calibrate_s: float = 1.0,
+def measure(cfg: LlamaConfig, world: int, layouts: Sequence[str], workload: Workload, *, steps: int, calibrate_s: float = 1.0,
             repeats: int = 10) -> tuple[Calibration, list[Measured]]:  # fmt: skip
     """Calibrate and train every layout on ``world`` gloo processes; per layout, the slowest rank."""
     from spmd.testing import run_multiprocess
 
-    ranks = run_multiprocess(_rank, world, layouts, workload, steps, calibrate_s, repeats, timeout=TIMEOUT_S)
+    ranks = run_multiprocess(_rank, world, cfg, layouts, workload, steps, calibrate_s, repeats, timeout=TIMEOUT_S)
     flops = statistics.median(r[0] for r in ranks)
     calibration = Calibration(world, flops, tuple(ranks[0][1]))
     measured = []
@@ -299,13 +319,15 @@ def measure(world: int, layouts: Sequence[str], workload: Workload, *, steps: in
 
 
 # ----- predictions and the comparison ----------------------------------------------------------------
-def predict(layouts: Sequence[str], cluster: Cluster, workload: Workload) -> list[tuple[float, int]]:
+def predict(cfg: LlamaConfig, layouts: Sequence[str], cluster: Cluster, workload: Workload) -> list[tuple[float, int]]:
     """(step seconds, peak bytes per rank) of each layout, as ``spmd.plan`` predicts them."""
+    import torch
+
     from spmd.plan import evaluate
 
     out = []
     for text in layouts:
-        estimate = evaluate(MODEL, _layout(text), cluster, workload, DTYPE, keep_order=True)
+        estimate = evaluate(cfg, _layout(text), cluster, workload, torch.float32, keep_order=True)
         out.append((estimate.step_s, estimate.peak))
     return out
 
@@ -338,12 +360,16 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def print_world(calibration: Calibration, rows: Sequence[Row], workload: Workload, steps: int) -> tuple[float, float]:
+def print_world(
+    cfg: LlamaConfig, calibration: Calibration, rows: Sequence[Row], workload: Workload, steps: int
+) -> tuple[float, float]:
     """The world's table; returns (rank correlation, worst |memory error|)."""
+    from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
+
     link = calibration.link()
     print(
-        f"\n{calibration.world} gloo processes: {MODEL.layers} blocks, dim {MODEL.dim}, ffn {MODEL.ffn_dim}, vocab "
-        f"{MODEL.vocab}, float32, global batch {workload.global_batch} x {workload.seq} tokens; median of {steps} "
+        f"\n{calibration.world} gloo processes: {cfg.layers} blocks, dim {cfg.dim}, heads {cfg.heads}, ffn {cfg.ffn_dim}, "
+        f"vocab {cfg.vocab}, float32, global batch {workload.global_batch} x {workload.seq} tokens; median of {steps} "
         "steps (the slowest rank's)"
     )
     print(
@@ -354,10 +380,14 @@ def print_world(calibration: Calibration, rows: Sequence[Row], workload: Workloa
         fitted = collective_rounds("all_reduce", calibration.world) * link.latency
         fitted += received_bytes("all_reduce", calibration.world, nbytes) / link.bandwidth
         print(f"  all_reduce {_mib(nbytes):>10}: measured {seconds * 1e3:8.2f} ms, fitted {fitted * 1e3:8.2f} ms")
-    print(f"{'layout':<18}{'pred step':>11}{'meas step':>11}{'pred peak':>13}{'meas peak':>13}{'mem err':>9}")
+    print(
+        f"{'layout':<18}{'pred step':>11}{'meas step':>11}{'meas/pred':>10}{'pred peak':>13}{'meas peak':>13}"
+        f"{'mem err':>9}"
+    )
     for row in rows:
         print(
             f"{row.layout:<18}{row.predicted_s * 1e3:>8.0f} ms{row.measured_s * 1e3:>8.0f} ms"
+            f"{row.measured_s / row.predicted_s:>10.2f}"
             f"{_mib(row.predicted_peak):>13}{_mib(row.measured_peak):>13}{row.memory_error:>+9.1%}"
         )
     correlation = spearman([r.predicted_s for r in rows], [r.measured_s for r in rows])
@@ -371,21 +401,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 processes, 6 layouts, 3 timed steps")
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8], choices=sorted(LAYOUTS))
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (one step of every layout each)")
+    parser.add_argument("--dim", type=int, default=DEMO_DIM, help="model width (the MLP is 4x)")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=GLOBAL_BATCH, help="sequences per step (global batch)")
     parser.add_argument("--no-check", action="store_true", help="exit 0 whatever the figures")
     args = parser.parse_args(argv)
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     worlds, steps = ([4], 3) if args.quick else (args.worlds, args.steps)
-    workload = Workload(GLOBAL_BATCH, SEQ)
+    from spmd.plan.cluster import Workload
+    from spmd.plan.llama import GPT_PRESETS
+
+    workload = Workload(args.batch, args.seq)
+    cfg = replace(GPT_PRESETS["demo"], dim=args.dim, ffn_dim=4 * args.dim)
     _quiet_torch()
     ok = True
     for world in worlds:
         layouts = QUICK_LAYOUTS if args.quick else LAYOUTS[world]
         started = time.perf_counter()
-        calibration, measured = measure(world, layouts, workload, steps=steps)
-        predicted = predict(layouts, calibration.cluster(), workload)
+        calibration, measured = measure(cfg, world, layouts, workload, steps=steps)
+        predicted = predict(cfg, layouts, calibration.cluster(), workload)
         rows = [Row(m.layout, p_step, m.median_s, p_peak, m.peak) for m, (p_step, p_peak) in zip(measured, predicted)]
-        correlation, worst = print_world(calibration, rows, workload, steps)
+        correlation, worst = print_world(cfg, calibration, rows, workload, steps)
         print(f"ran in {time.perf_counter() - started:.0f} s")
         ok = ok and correlation >= MIN_CORRELATION and worst <= MAX_MEMORY_ERROR
     if not ok:
