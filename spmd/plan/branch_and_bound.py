@@ -207,7 +207,7 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
             continue
         fits.add(layout)
         top.append(ranked)
-        top.sort(key=lambda r: r.estimate.step_s)
+        top.sort(key=lambda r: (r.estimate.step_s, r.estimate.peak))  # a tie goes to more headroom
     return SearchResult(
         top=top if exhaustive else top[:top_k],
         candidates=len(layouts),

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--memory", default="80GiB", help="bytes per rank, e.g. 80GiB")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense TFLOP/s per rank at --dtype")
+    parser.add_argument(
+        "--efficiency", type=float, default=1.0, help="share of the peak the kernels reach (1.0: the FLOP bound)"
+    )
     parser.add_argument("--link", default="", help="intra=450GB/s@3us,inter=50GB/s@10us")
     parser.add_argument("--global-batch", type=int, help="sequences per step (default: one per rank)")
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
@@ -84,7 +87,10 @@ def model_config(args: argparse.Namespace) -> LlamaConfig:
 def run(args: argparse.Namespace) -> str:
     cfg = model_config(args)
     links = parse_links(args.link, ranks_per_node=args.ranks_per_node)
-    cluster = Cluster(args.world, parse_bytes(args.memory), args.ranks_per_node, args.peak_tflops * 1e12, links)
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency {args.efficiency}: give the share of the peak, in (0, 1]")
+    flops = args.peak_tflops * 1e12
+    cluster = Cluster(args.world, parse_bytes(args.memory), args.ranks_per_node, flops, links, args.efficiency)
     workload = Workload(args.global_batch or args.world, args.seq)
     dtype = _DTYPES[args.dtype]
     name = f"{args.model} {args.preset}"
