@@ -62,6 +62,8 @@ class SearchResult:
     """Layouts spmd cannot run yet: the reason -> how many (never estimated)."""
     over_budget: list[Ranked] = field(default_factory=list)
     """Simulated layouts whose peak exceeded the budget."""
+    fitting: list[Ranked] = field(default_factory=list)
+    """Every simulated layout that fits, fastest first (``top`` is its head)."""
     seconds: float = 0.0
     model: LlamaConfig | None = None
     cluster: Cluster | None = None
@@ -210,6 +212,7 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
         top.sort(key=lambda r: (r.estimate.step_s, r.estimate.peak))  # a tie goes to more headroom
     return SearchResult(
         top=top if exhaustive else top[:top_k],
+        fitting=top,
         candidates=len(layouts),
         not_searched={NOT_SEARCHED[k]: n for k, n in skipped.items()},
         pruned_by_memory=len(layouts) - len(kept),

@@ -112,7 +112,9 @@ def plot_frontier(result: SearchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(r.estimate.peak / 2**30, r.estimate.step_s, str(r.layout)) for r in [*result.top, *result.over_budget]]
+    points = [
+        (r.estimate.peak / 2**30, r.estimate.step_s, str(r.layout)) for r in [*result.fitting, *result.over_budget]
+    ]
     frontier: list[tuple[float, float, str]] = []
     for mem, step, label in sorted(points):
         if not frontier or step < frontier[-1][1]:
