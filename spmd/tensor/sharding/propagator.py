@@ -47,6 +47,7 @@ def _inferring_shapes() -> Iterator[None]:
     finally:
         _shape_inference.depth -= 1
 
+
 fallback_logger = logging.getLogger("spmd.tensor.dispatch")
 
 
@@ -104,7 +105,9 @@ class ShardingPropagator:
         call = self.make_call(entry.op, leaves, shape, kwarg_names, positions)
         return self.decompose(call, entry) or self.decide(call, entry, plain_call=not shape)
 
-    def fallback_decision(self, entry: OpEntry, leaves: Sequence[Any], positions: Sequence[int], *, why: str) -> Decision:
+    def fallback_decision(
+        self, entry: OpEntry, leaves: Sequence[Any], positions: Sequence[int], *, why: str
+    ) -> Decision:
         """Every input replicated, the op run on whole tensors, outputs Replicate (warned once per op)."""
         mesh = leaves[positions[0]]._spec.mesh
         replicate = (Replicate(),) * mesh.ndim
@@ -130,30 +133,26 @@ class ShardingPropagator:
         )
 
     def make_call(
-        self, op: Any, leaves: Sequence[Any], shape: tuple[Any, ...], kwarg_names: Sequence[str], positions: Sequence[int]
+        self,
+        op: Any,
+        leaves: Sequence[Any],
+        shape: tuple[Any, ...],
+        kwarg_names: Sequence[str],
+        positions: Sequence[int],
     ) -> OpCall:
         """What the rule sees of a call: specs in place of DTensors, and the outputs' global metas
         (from running the op on meta tensors of the global shapes)."""
-        meta_leaves = list(leaves)
         spec_leaves = list(leaves)
         for i in positions:
-            spec: DTensorSpec = leaves[i]._spec
-            meta = spec.tensor_meta
-            meta_leaves[i] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
-            spec_leaves[i] = spec
-        for i, a in enumerate(leaves):
-            if isinstance(a, torch.Tensor) and i not in positions:
-                meta_leaves[i] = a.to("meta")
-            elif isinstance(a, torch.device):
-                # ``x.to(dtype, device="cpu")`` would copy the meta tensor out; shapes are all we need
-                meta_leaves[i] = torch.device("meta")
-        meta_args, meta_kwargs = unflatten_call(meta_leaves, shape, kwarg_names)
-        try:
-            # an op that returns no tensor (fused optimizers, item()) has no output shape to find
-            with _inferring_shapes():
+            spec_leaves[i] = leaves[i]._spec
+        with _inferring_shapes():  # the meta tensors and the op on them are not the program's
+            meta_args, meta_kwargs = unflatten_call(_meta_leaves(leaves, positions), shape, kwarg_names)
+            try:
+                # an op that returns no tensor (fused optimizers, item()) has no output shape to find
                 meta_out = op(*meta_args, **meta_kwargs) if self.registry.entry(op).returns_tensors else ()
-        except Exception as error:
-            raise NotImplementedError(f"cannot compute the output shape of {op} on the meta device: {error}") from error
+            except Exception as error:
+                message = f"cannot compute the output shape of {op} on the meta device: {error}"
+                raise NotImplementedError(message) from error
         outputs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
         output_metas = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outputs)
         spec_args, spec_kwargs = unflatten_call(spec_leaves, shape, kwarg_names)
@@ -314,6 +313,21 @@ def _output_placement(candidate: OpStrategy, index: int, call: OpCall) -> Placem
     if placement is None:
         raise AssertionError(f"rule for {call.op} gave no placement for output {index}")
     return placement
+
+
+def _meta_leaves(leaves: Sequence[Any], positions: Sequence[int]) -> list[Any]:
+    """``leaves`` with each DTensor and tensor as a meta tensor of its global shape (devices as meta)."""
+    meta_leaves = list(leaves)
+    for i in positions:
+        meta = leaves[i]._spec.tensor_meta
+        meta_leaves[i] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+    for i, a in enumerate(leaves):
+        if isinstance(a, torch.Tensor) and i not in positions:
+            meta_leaves[i] = a.to("meta")
+        elif isinstance(a, torch.device):
+            # ``x.to(dtype, device="cpu")`` would copy the meta tensor out; shapes are all we need
+            meta_leaves[i] = torch.device("meta")
+    return meta_leaves
 
 
 def _describe_inputs(specs: Sequence[DTensorSpec]) -> str:
