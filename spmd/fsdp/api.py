@@ -63,8 +63,10 @@ def fully_shard(
     ``mesh`` (None: a 1-d mesh over the world) is the dp mesh, or an n-d mesh whose dp dim
     ``dp_mesh_dims=DataParallelMeshDims(shard=name)`` or ``dp_mesh_dim`` (name or index; spmd's)
     names, by default the dim called ``"dp"``. A named 2-d mesh with no dim called ``"dp"`` (and
-    neither option) is FSDP2's HSDP: plain parameters sharded over dim 1 and replicated over dim 0,
-    gradients reduce-scattered over dim 1, then all-reduced over dim 0. ``reshard_after_forward``
+    neither option) is FSDP2's HSDP: parameters sharded over dim 1 and replicated over dim 0,
+    gradients reduce-scattered over dim 1, then all-reduced over dim 0; parameters already
+    tensor-parallel on a sibling sub-mesh (``world["tp"]`` beside ``world["dp_replicate",
+    "dp_shard"]``) live on the 3-d mesh, as in FSDP2's HSDP x TP. ``reshard_after_forward``
     (None: True except on the root) frees the gathered parameters after forward (gathered again
     for backward).
     ``shard_placement_fn(param)`` may return ``Shard(k)`` to cut dim ``k``. ``mp_policy`` sets the

@@ -26,7 +26,10 @@ local (tp) tensor, so un-sharding is one plain all_gather of the local pieces wh
 
 HSDP (FSDP2's 2-d dp mesh, replicate dim first): a plain parameter becomes a DTensor on that mesh,
 ``(Replicate(), Shard(0))``; its gathered copy is a plain tensor and each rank's batch its own, as in
-FSDP2's layout.
+FSDP2's layout. With tensor parallelism (torchtitan's ``dp_replicate x dp_shard x tp``: the tp
+sub-mesh a sibling of the dp mesh's dims) the sibling layout above gains the replicate dim: on the
+root mesh, ``(Replicate(), <dp's cut>, <tp's placements>)``, gathered as the DTensor on the tp
+sub-mesh. A shard dim of one rank (DDP over the replicate dim) keeps FSDP2's placement there.
 
 A plain parameter on a 1-d mesh is cut the same way; its gathered copy is a plain tensor, or a
 DTensor Replicate() over the mesh when the module's inputs are DTensors on it (the global loss).
@@ -191,13 +194,13 @@ def shard_parameter(
             "before their parent, or leave it out with ignored_params="
         )
     dim = _dp_dim(shard_placement_fn, param, where)
-    if hsdp and isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"fully_shard: HSDP of {where}, a DTensor on {param.device_mesh}, is not supported by spmd (HSDP "
-            "with tensor parallelism); HSDP takes plain parameters, or shard over one dp dim"
+    if hsdp and isinstance(param, DTensor) and param.device_mesh == mesh:
+        raise ValueError(
+            f"fully_shard: {where} is a DTensor on the HSDP mesh {mesh} itself; tensor-parallelise on a sibling "
+            'sub-mesh (parallelize_module(model, world["tp"], plan)) and pass the (replicate, shard) mesh'
         )
     if isinstance(param, DTensor) and param.device_mesh != mesh:
-        sharded = _shard_on_sibling_mesh(module, name, param, mesh, where, dim)
+        sharded = _shard_on_sibling_mesh(module, name, param, mesh, dp, where, dim, hsdp)
     else:
         sharded = _shard_on_same_mesh(module, name, param, mesh, dp, where, dim)
         if hsdp:  # FSDP2's: each rank's own batch, a plain gathered copy
@@ -284,55 +287,73 @@ def _shard_on_same_mesh(
     return ShardedParameter(module, name, sharded, dp, k, gathered_shape, gathered, global_loss)
 
 
-def _major_first(layout: DimLayout) -> tuple[int, int]:
-    """Sort key putting mesh dims in the root's row-major order; a dim of one rank first (it cuts nothing)."""
-    axes = canonical(layout)
-    return (1, -max(stride for _, stride in axes)) if axes else (0, 0)
+def _root_order(layouts: list[DimLayout]) -> list[int]:
+    """The dims' indices in the root's row-major order (major first), a stable sort.
+
+    A dim of one rank cuts nothing and has no place of its own: it stays right behind the dim
+    listed before it (first, if none is), so that HSDP's ``(dp_replicate=2, dp_shard=1)`` keeps
+    its order, as FSDP2 keeps the dp mesh's.
+    """
+    keys: list[tuple[int, int]] = []
+    for layout in layouts:
+        axes = canonical(layout)
+        keys.append((1, -max(stride for _, stride in axes)) if axes else (keys[-1] if keys else (0, 0)))
+    return sorted(range(len(layouts)), key=lambda d: keys[d])
 
 
-def _shard_on_sibling_mesh(
-    module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, where: str, k: int | None
-) -> ShardedParameter:
-    """FSDP2's layout: a DTensor on the tp sub-mesh becomes a DTensor on the root mesh, cut over dp too."""
-    tp_mesh = param.device_mesh
+def _sibling_full_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str, hsdp: bool) -> tuple[DeviceMesh, list[int]]:
+    """The root-mesh slice over fully_shard's dims and tp's, and which of them (dp's first) each of its dims is."""
     root = mesh._get_root_mesh()
     fix = (
         'tensor-parallelise on a sub-mesh of the same mesh as fully_shard\'s (parallelize_module(model, world["tp"], '
         'plan), fully_shard(block, mesh=world["dp"])), or on the n-d mesh itself (fully_shard(block, mesh=world))'
     )
-    if mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root == mesh:
+    if (mesh.ndim != 1 and not hsdp) or tp_mesh._get_root_mesh() != root or root == mesh:
         raise ValueError(f"fully_shard: parameter {where} is a DTensor on {tp_mesh}, not on {mesh}; {fix}")
     # Each sub-mesh dim's place in the root's rank list (mesh_layout.py), so that dims cut from the
     # root by slicing, _flatten (torchtitan's dp_shard_cp) or _unflatten (torchtitan's fsdp and tp,
     # from one 1-d world mesh, in two calls) combine alike.
-    layouts = [mesh._layout[0], *tp_mesh._layout]
-    names = [*(mesh.mesh_dim_names or ("",)), *(tp_mesh.mesh_dim_names or ("",) * tp_mesh.ndim)]
+    layouts = [*mesh._layout, *tp_mesh._layout]
+    names = [*(mesh.mesh_dim_names or ("",) * mesh.ndim), *(tp_mesh.mesh_dim_names or ("",) * tp_mesh.ndim)]
     overlapping = any(overlaps(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :])
     if overlapping or len(set(names)) != len(names) or "" in names:
         raise ValueError(
             f"fully_shard: parameter {where} lives on {tp_mesh}, which overlaps fully_shard's mesh {mesh} or "
             f"shares a dim name with it; {fix}"
         )
-    order = sorted(range(len(layouts)), key=lambda d: _major_first(layouts[d]))  # 0 is dp, 1.. tp's dims
-    placements = tuple(param.placements)
-    _check_placements(placements, where)
-    n, dp_rank = mesh.size(0), mesh.get_local_rank(0)
-    gathered_local = param._local_tensor
-    split = 1  # the later mesh dims cutting dim k: dp cuts each of their pieces (torch's _StridedShard)
-    for d in order[order.index(0) + 1 :]:
-        p = placements[d - 1]
-        if k is not None and _is_shard_like(p) and p.dim == k:
-            split *= tp_mesh.size(d - 1)
-    dp_placement = _dp_placement(k, split)
+    order = _root_order(layouts)
     full_layouts, full_names = tuple(layouts[d] for d in order), tuple(names[d] for d in order)
     same_as_root = [canonical(layout) for layout in full_layouts] == [canonical(layout) for layout in root._layout]
-    full_mesh = root if same_as_root else root._slice(full_layouts, full_names)  # the root: under its names
-    full_placements = tuple(dp_placement if d == 0 else placements[d - 1] for d in order)
+    return (root if same_as_root else root._slice(full_layouts, full_names)), order  # the root: under its names
+
+
+def _shard_on_sibling_mesh(
+    module: nn.Module, name: str, param: DTensor, mesh: DeviceMesh, dp: int, where: str, k: int | None, hsdp: bool
+) -> ShardedParameter:
+    """FSDP2's layout: a DTensor on the tp sub-mesh becomes a DTensor on the root mesh, cut over dp too.
+
+    ``mesh`` is the 1-d dp mesh, or HSDP's (replicate, shard) mesh with ``dp`` its shard dim: the
+    parameter is then Replicate() over the replicate dim (FSDP2's HSDP x TP).
+    """
+    tp_mesh = param.device_mesh
+    full_mesh, order = _sibling_full_mesh(mesh, tp_mesh, where, hsdp)  # order: 0 .. mesh.ndim - 1 are dp's dims
+    placements = tuple(param.placements)
+    _check_placements(placements, where)
+    split = 1  # the later tp dims cutting dim k: dp cuts each of their pieces (torch's _StridedShard)
+    for d in order[order.index(dp) + 1 :]:
+        p = placements[d - mesh.ndim] if d >= mesh.ndim else Replicate()
+        if k is not None and _is_shard_like(p) and p.dim == k:
+            split *= tp_mesh.size(d - mesh.ndim)
+    dp_placement = _dp_placement(k, split)
+    full_placements = tuple(
+        placements[d - mesh.ndim] if d >= mesh.ndim else dp_placement if d == dp else Replicate() for d in order
+    )
+    gathered_local = param._local_tensor
     with torch.no_grad():
-        piece = _dp_piece(gathered_local, k, n, dp_rank)
+        piece = _dp_piece(gathered_local, k, mesh.size(dp), mesh.get_local_rank(dp))
         sharded_local = DTensor.from_local(
             piece, full_mesh, full_placements, shape=tuple(param.shape), stride=tuple(param.stride())
         )
     gathered = GatheredLayout(tp_mesh, placements, tuple(param.shape), tuple(param.stride()), None)
     sharded = nn.Parameter(sharded_local, requires_grad=param.requires_grad)
-    return ShardedParameter(module, name, sharded, order.index(0), k, tuple(gathered_local.shape), gathered, False)
+    return ShardedParameter(module, name, sharded, order.index(dp), k, tuple(gathered_local.shape), gathered, False)

@@ -584,8 +584,10 @@ def test_errors_name_the_fix() -> None:
         with pytest.raises(NotImplementedError, match="HSDP"):
             fully_shard(model.norm, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp"))
         hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        with pytest.raises(NotImplementedError, match="HSDP with tensor parallelism"):
+        with pytest.raises(ValueError, match=r"not on mesh\(dp_replicate=2, dp_shard=2\)"):  # another world's tp
             fully_shard(parallelize_module(build_model(), world["tp"], {"lm_head": ColwiseParallel()}), mesh=hsdp_mesh)
+        with pytest.raises(ValueError, match=r"on the HSDP mesh .* itself"):
+            fully_shard(distribute_module(nn.Linear(4, 4), hsdp_mesh), mesh=hsdp_mesh)
         with pytest.raises(NotImplementedError, match="True, False or None"):
             fully_shard(model.norm, mesh=world["dp"], reshard_after_forward=2)
         tp_on_dp = parallelize_module(build_model(), world["dp"], {"lm_head": ColwiseParallel()})
