@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory", default="80GiB", help="bytes per rank, e.g. 80GiB")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense TFLOP/s per rank at --dtype")
     parser.add_argument(
+        "--memory-bandwidth", type=float, default=3350.0, help="GB/s of one rank's memory (memory-bound ops)"
+    )
+    parser.add_argument(
         "--efficiency", type=float, default=1.0, help="share of the peak the kernels reach (1.0: the FLOP bound)"
     )
     parser.add_argument("--link", default="", help="intra=450GB/s@3us,inter=50GB/s@10us")
@@ -90,7 +93,15 @@ def run(args: argparse.Namespace) -> str:
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: give the share of the peak, in (0, 1]")
     flops = args.peak_tflops * 1e12
-    cluster = Cluster(args.world, parse_bytes(args.memory), args.ranks_per_node, flops, links, args.efficiency)
+    cluster = Cluster(
+        world=args.world,
+        memory=parse_bytes(args.memory),
+        ranks_per_node=args.ranks_per_node,
+        peak_flops=flops,
+        memory_bandwidth=args.memory_bandwidth * 1e9,
+        links=links,
+        compute_efficiency=args.efficiency,
+    )
     workload = Workload(args.global_batch or args.world, args.seq)
     dtype = _DTYPES[args.dtype]
     name = f"{args.model} {args.preset}"

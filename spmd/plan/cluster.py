@@ -19,6 +19,8 @@ class Cluster:
     ranks_per_node: int = 8
     peak_flops: float = 989e12
     """Dense FLOP/s of one rank at the model's dtype (an H100's bf16)."""
+    memory_bandwidth: float = 3.35e12
+    """Bytes per second one rank's memory-bound ops read and write (an H100's HBM3)."""
     links: Links = field(default_factory=Links)
     compute_efficiency: float = 1.0
     """The share of ``peak_flops`` the kernels reach (1.0: the FLOP bound itself)."""

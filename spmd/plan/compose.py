@@ -3,7 +3,9 @@
 The model of the step (stated, and the same one the bounds use):
 
 * Compute: the program's FLOPs (matrix products and attention, recomputation included) over the
-  cluster's FLOP/s.
+  cluster's FLOP/s, plus the bytes its other ops read and write (norms, activations, adds, the
+  optimizer's updates) over the memory bandwidth. The optimizer step's work is in proportion to
+  the stage's parameter bytes.
 * Tensor-parallel and context-parallel collectives are on the critical path: their ring time adds.
 * Data-parallel collectives (FSDP's gathers and reduce-scatters, DDP's and HSDP's all-reduces)
   overlap with compute; only what exceeds the step's compute is exposed.
@@ -24,13 +26,13 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from spmd.plan.cluster import Cluster
 from spmd.plan.layout import Layout, groups_share_node
-from spmd.plan.program import PROGRAM_DIMS, ProgramKey, Segment, simulate_program
+from spmd.plan.program import PROGRAM_BLOCKS, PROGRAM_DIMS, Program, ProgramKey, Segment, simulate_program
 from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
 
 __all__ = ["StepEstimate", "StageEstimate", "estimate_step", "stage_blocks", "OVERLAPPED_DIMS", "group_dims"]
@@ -53,6 +55,8 @@ class Summary:
     """The same without gradient storages (allocated once, in the first backward)."""
     flops: int = 0
     comm: tuple[tuple[str, int, int], ...] = ()
+    traffic: int = 0
+    """Bytes the memory-bound ops read and write."""
     """(mesh dim, ring rounds, bytes received) per dim."""
 
     def then(self, other: Summary) -> Summary:
@@ -68,6 +72,7 @@ class Summary:
             max(self.peak_no_grad, self.net_no_grad + other.peak_no_grad),
             self.flops + other.flops,
             tuple((dim, r, b) for dim, (r, b) in comm.items()),
+            self.traffic + other.traffic,
         )
 
     def times(self, k: int) -> Summary:
@@ -80,11 +85,25 @@ class Summary:
             (k - 1) * max(self.net_no_grad, 0) + self.peak_no_grad,
             k * self.flops,
             tuple((dim, k * r, k * b) for dim, r, b in self.comm),
+            k * self.traffic,
         )
+
+    def scaled(self, ratio: float) -> Summary:
+        """The work of the stretch (FLOPs, traffic, collectives) scaled by ``ratio``; memory kept."""
+        comm = tuple((dim, round(ratio * r), round(ratio * b)) for dim, r, b in self.comm)
+        return replace(self, flops=round(ratio * self.flops), traffic=round(ratio * self.traffic), comm=comm)
 
     def without_grads(self) -> Summary:
         """The stretch once gradients exist: their storages are not allocated again."""
-        return Summary(self.net_no_grad, self.peak_no_grad, self.net_no_grad, self.peak_no_grad, self.flops, self.comm)
+        return Summary(
+            self.net_no_grad,
+            self.peak_no_grad,
+            self.net_no_grad,
+            self.peak_no_grad,
+            self.flops,
+            self.comm,
+            self.traffic,
+        )
 
 
 def group_dims(key: ProgramKey) -> dict[tuple[int, ...], str]:
@@ -118,7 +137,8 @@ def _summarize(segment: Segment, names: dict[tuple[int, ...], str], grads: froze
             cell = comm.setdefault(dim, [0, 0])
             cell[0] += collective_rounds(record.kind, size)
             cell[1] += received_bytes(record.kind, size, record.tensor_bytes)
-    return Summary(live, peak, live_ng, peak_ng, segment.flops, tuple((d, r, b) for d, (r, b) in comm.items()))
+    comm_dims = tuple((d, r, b) for d, (r, b) in comm.items())
+    return Summary(live, peak, live_ng, peak_ng, segment.flops, comm_dims, segment.traffic)
 
 
 @functools.lru_cache(maxsize=512)
@@ -187,6 +207,12 @@ class StageEstimate:
     optimizer_step: Summary
 
 
+def _program_params(program: Program) -> int:
+    """Local parameter bytes of the simulated program (its optimizer step's work is in proportion)."""
+    sizes = program.param_bytes
+    return PROGRAM_BLOCKS * sizes["block"] + sizes["embed"] + sizes["head"]
+
+
 def estimate_stage(key: ProgramKey, layout: Layout, stage: int, blocks: int) -> StageEstimate:
     """Memory, FLOPs and collectives of one stage over the step (order-independent)."""
     pieces = summaries(key, layout.dp_replicate)
@@ -204,7 +230,7 @@ def estimate_stage(key: ProgramKey, layout: Layout, stage: int, blocks: int) -> 
     optimizer = int(params * program.optimizer_bytes_per_param_byte)
     return StageEstimate(
         stage, blocks, params, params, optimizer, step.peak_no_grad, params + optimizer + step.peak,
-        step, forward.then(backward), pieces["optimizer"],
+        step, forward.then(backward), pieces["optimizer"].scaled(params / _program_params(program)),
     )  # fmt: skip
 
 
@@ -241,6 +267,11 @@ def _dim_seconds(comm: Iterable[tuple[str, int, int]], layout: Layout, cluster: 
     return out
 
 
+def _compute_seconds(summary: Summary, cluster: Cluster) -> float:
+    """FLOPs at the FLOP/s, plus the memory-bound ops' bytes at the memory bandwidth."""
+    return summary.flops / cluster.flops + summary.traffic / cluster.memory_bandwidth
+
+
 def _p2p(key: ProgramKey, layout: Layout, cluster: Cluster, stage: int) -> tuple[float, int]:
     """Seconds and bytes of one micro-batch's sends and receives on ``stage`` (activation forward,
     gradient back, each the size of the stage's output)."""
@@ -267,13 +298,13 @@ def step_time(key: ProgramKey, layout: Layout, cluster: Cluster, stages: Sequenc
         p2p, _ = _p2p(key, layout, cluster, stage.stage)
         if p2p:
             exposed["pp"] = p2p
-        t = stage.microbatch.flops / cluster.flops + sum(exposed.values())
+        t = _compute_seconds(stage.microbatch, cluster) + sum(exposed.values())
         if best is None or t > best[0]:
             whole = _dim_seconds(stage.step.then(stage.optimizer_step).comm, layout, cluster)
             best = (t, stage, exposed, {d: s for d, s in whole.items() if d in OVERLAPPED_DIMS})
     assert best is not None
     per_microbatch, slowest, exposed_mb, overlapped = best
-    compute = m * slowest.microbatch.flops / cluster.flops
+    compute = m * _compute_seconds(slowest.microbatch, cluster) + _compute_seconds(slowest.optimizer_step, cluster)
     exposed = {d: m * t for d, t in exposed_mb.items()}
     hidden: dict[str, float] = {}
     budget = compute if cluster.overlap else 0.0  # data-parallel collectives hide under the step's compute

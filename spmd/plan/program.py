@@ -311,6 +311,8 @@ class WholeStep:
     flops: int
     records: tuple[tuple[str, int, int], ...]
     """(kind, group size, buffer bytes) of every collective, in order."""
+    traffic: int = 0
+    """Bytes the memory-bound ops read and write."""
 
 
 def simulate_whole(key: ProgramKey, layers: int) -> WholeStep:
@@ -333,4 +335,4 @@ def simulate_whole(key: ProgramKey, layers: int) -> WholeStep:
             train_microbatch(model, key, mesh, tokens, targets)
             optimizer.step()
     records = tuple((r.kind, r.group_size, r.tensor_bytes) for r in recorder.comm.records)
-    return WholeStep(params + state + recorder.peak(), recorder.flops, records)
+    return WholeStep(params + state + recorder.peak(), recorder.flops, records, recorder.traffic)

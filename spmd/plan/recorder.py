@@ -1,8 +1,9 @@
 """StepRecorder: one simulated step's memory events, collectives and FLOPs, cut at named marks.
 
 It is ``spmd.simulate``'s ``MemoryTracker`` (storage lifetimes on the simulated rank) that also
-keeps the collectives (``CommDebugMode``'s records) and counts the FLOPs of the local matrix
-products and attention kernels. ``mark(name)`` starts a new piece; ``pieces()`` returns each
+keeps the collectives (``CommDebugMode``'s records), counts the FLOPs of the local matrix products
+and attention kernels, and the bytes every other local op reads and writes (memory-bound work:
+norms, activations, residual adds, the optimizer's updates). ``mark(name)`` starts a new piece; ``pieces()`` returns each
 piece's events, collectives and FLOPs.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from typing_extensions import Self
 
@@ -60,6 +62,34 @@ class Segment:
     flops: int = 0
     causes: list[tuple[str, str, bool]] = field(default_factory=list)
     """For each of ``records``: the op that issued it, the innermost module, whether in backward."""
+    traffic: int = 0
+    """Bytes the memory-bound local ops read and write (norms, activations, adds, the optimizer's)."""
+
+
+_NO_TRAFFIC = {
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.new_empty.default,
+    _aten.empty_strided.default,
+    _aten.new_empty_strided.default,
+}
+"""Ops that allocate without reading or writing the memory."""
+
+
+def _traffic_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes a memory-bound op reads and writes: its tensor inputs, and its outputs unless they are views.
+
+    Matrix products and attention are priced by FLOPs instead; a view moves nothing.
+    """
+    if func in _NO_TRAFFIC or func in _ATTENTION_FORWARD or func in _ATTENTION_BACKWARD:
+        return 0
+    if func.overloadpacket in flop_registry:
+        return 0
+    returns = func._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return 0  # a view
+    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+    return sum(t.nbytes for t in tensors)
 
 
 class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
@@ -68,8 +98,10 @@ class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
     def __init__(self, known: Any = ()) -> None:
         super().__init__(known)
         self.flops = 0
+        self.traffic = 0
+        """Bytes the memory-bound local ops read and write."""
         self.comm = CommDebugMode()
-        self._marks: list[tuple[str, int, int, int]] = []  # (name, events, records, flops) at the mark
+        self._marks: list[tuple[str, int, int, int, int]] = []  # (name, events, records, flops, traffic) at the mark
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -77,6 +109,7 @@ class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and not inferring_shapes() and not any(issubclass(t, DTensor) for t in types):
             self.flops += _op_flops(func, args, kwargs or {}, out)
+            self.traffic += _traffic_bytes(func, args, kwargs or {}, out)
         return out
 
     def __enter__(self) -> Self:
@@ -90,11 +123,11 @@ class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
     def mark(self, name: str) -> None:
         """Start piece ``name`` here (a name marked again, as in a recomputed forward, is ignored)."""
         if all(seen != name for seen, *_ in self._marks):
-            self._marks.append((name, len(self.events), len(self.comm.events), self.flops))
+            self._marks.append((name, len(self.events), len(self.comm.events), self.flops, self.traffic))
 
     def pieces(self) -> dict[str, Segment]:
         """Each mark's piece: the events, collectives and FLOPs from it to the next mark (or the end)."""
-        ends = [*self._marks[1:], ("", len(self.events), len(self.comm.events), self.flops)]
+        ends = [*self._marks[1:], ("", len(self.events), len(self.comm.events), self.flops, self.traffic)]
         events = self.comm.events
         return {
             name: Segment(
@@ -102,6 +135,7 @@ class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
                 [e.record for e in events[r0:r1]],
                 f1 - f0,
                 [(e.op, e.modules[-1] if e.modules else "", e.backward) for e in events[r0:r1]],
+                t1 - t0,
             )
-            for (name, e0, r0, f0), (_, e1, r1, f1) in zip(self._marks, ends)
+            for (name, e0, r0, f0, t0), (_, e1, r1, f1, t1) in zip(self._marks, ends)
         }

@@ -69,6 +69,8 @@ def test_a_composed_step_equals_simulating_every_block(degrees: dict) -> None:
     stage = estimate_step(key, layout, Cluster(world=layout.world_size), layers=6).stages[0]
     whole = simulate_whole(key, layers=6)
     assert stage.microbatch.flops == whole.flops
+    # the optimizer's work is taken in proportion to the parameters (per-tensor scalars aside)
+    assert stage.microbatch.traffic + stage.optimizer_step.traffic == pytest.approx(whole.traffic, rel=1e-3)
     assert stage.peak == pytest.approx(whole.peak, rel=1e-3)  # context parallel's index buffers: a few bytes
     composed = sum(nbytes for _, _, nbytes in stage.step.then(stage.optimizer_step).comm)
     assert composed == sum(received_bytes(kind, n, b) for kind, n, b in whole.records if n > 1)
