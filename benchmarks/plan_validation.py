@@ -6,14 +6,16 @@ cores; ``--quick`` for 4 processes, 6 layouts and fewer steps; ``--no-check`` to
 For each world size, one gloo world (one intra-op thread per process, the ranks sharing the
 machine's cores) does three things, and the parent then predicts and compares:
 
-1. Calibrates the cluster once. Compute: every rank runs the float32 matrix products of the
-   model's linear layers (forward and both backward products, at the first layout's tokens per
-   rank) at the same time, so the FLOP/s per rank is the one under the contention the training
-   steps see. Link: ``all_reduce`` over the world on float32 buffers of 4 KiB .. 16 MiB (the
-   slowest rank's median per size), fitted to the ring model of
-   ``spmd.tensor.redistribute.cost`` (``time = rounds * latency + received / bandwidth``) by least
-   squares on relative error; the one link serves intra and inter (``ranks_per_node = world``).
-   ``Cluster(overlap=False)``: a gloo collective blocks its rank, so none hides under compute.
+1. Calibrates the cluster once, every rank measuring at the same time (so what one rank gets is
+   what it gets under the contention the training steps see). Compute: the float32 matrix
+   products of the model's linear layers (forward and both backward products, at the first
+   layout's tokens per rank), giving FLOP/s per rank. Memory: elementwise ops on 16 MiB buffers,
+   giving the bytes per second the memory-bound ops get. Link: ``all_reduce``, ``all_gather`` and
+   ``reduce_scatter`` over the world on float32 buffers of 4 KiB .. 16 MiB (the slowest rank's
+   median per size), fitted together to the ring model of ``spmd.tensor.redistribute.cost``
+   (``time = rounds * latency + received / bandwidth``) by least squares on relative error; the one
+   link serves intra and inter (``ranks_per_node = world``). ``Cluster(overlap=False)``: a gloo
+   collective blocks its rank, so none hides under compute.
 2. Builds every layout of the list with ``spmd.plan.program.build`` on the real mesh
    (``init_device_mesh("cpu", (dp_replicate, dp_shard, cp, tp))``) and trains it: a step is
    ``zero_grad``, ``microbatches`` x ``train_microbatch`` (this data-parallel rank's sequences)
@@ -63,7 +65,7 @@ LAYOUTS: dict[int, tuple[str, ...]] = {
 }  # fmt: skip
 """The layouts each world trains (parse_layout's syntax: dp= replicas, fsdp= shards, accum= micro-batches)."""
 QUICK_LAYOUTS = ("dp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2,sp", "fsdp=4,ac=full", "fsdp=4,accum=4")
-ALL_REDUCE_BYTES = tuple(4096 * 4**i for i in range(7))
+COLLECTIVE_BYTES = tuple(4096 * 4**i for i in range(7))
 """4 KiB .. 16 MiB."""
 MIN_CORRELATION = 0.8
 MAX_MEMORY_ERROR = 0.10
@@ -78,11 +80,13 @@ class Calibration:
     world: int
     peak_flops: float
     """Float32 matrix-product FLOP/s of one rank while every rank runs them."""
-    all_reduce_s: tuple[tuple[int, float], ...]
-    """(buffer bytes, seconds: the slowest rank's median)."""
+    collectives_s: tuple[tuple[str, int, float], ...]
+    """(kind, buffer bytes, seconds: the slowest rank's median)."""
+    memory_bandwidth: float = 1e12
+    """Bytes per second one rank's elementwise ops read and write while every rank runs them."""
 
     def link(self) -> Link:
-        return fit_link(self.all_reduce_s, self.world)
+        return fit_link(self.collectives_s, self.world)
 
     def cluster(self) -> Cluster:
         from spmd.plan.cluster import Cluster
@@ -94,6 +98,7 @@ class Calibration:
             memory=2**40,
             ranks_per_node=self.world,
             peak_flops=self.peak_flops,
+            memory_bandwidth=self.memory_bandwidth,
             links=Links(intra=link, inter=link, ranks_per_node=self.world),
             overlap=False,
         )
@@ -126,14 +131,13 @@ class Row:
 
 
 # ----- calibration: the fit runs in the parent, the timing in every rank -----------------------------
-def fit_link(points: Sequence[tuple[int, float]], world: int) -> Link:
-    """The ring-model link that best fits measured all_reduce times: least squares on relative error
-    over the two unknowns (latency per round, seconds per byte received)."""
+def fit_link(points: Sequence[tuple[str, int, float]], world: int) -> Link:
+    """The ring-model link that best fits measured collective times: least squares on relative error
+    over the two unknowns (latency per round, seconds per byte received), every kind together."""
     from spmd.simulate.plan import Link
     from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
 
-    rounds = collective_rounds("all_reduce", world)
-    rows = [(rounds / t, received_bytes("all_reduce", world, nbytes) / t) for nbytes, t in points]
+    rows = [(collective_rounds(kind, world) / t, received_bytes(kind, world, nbytes) / t) for kind, nbytes, t in points]
     # normal equations of  min sum (a*latency + b*inverse_bandwidth - 1)^2
     saa = sum(a * a for a, _ in rows)
     sab = sum(a * b for a, b in rows)
@@ -180,24 +184,50 @@ def measure_flops(cfg: LlamaConfig, tokens: int, seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
-def measure_all_reduce(sizes: Sequence[int], repeats: int) -> list[tuple[int, float]]:
-    """(bytes, seconds) of all_reduce over the world: the slowest rank's median for each size."""
+def measure_memory_bandwidth(seconds: float) -> float:
+    """This rank's bytes per second through elementwise ops (two reads, one write each), all ranks at once."""
     import torch
     import torch.distributed as dist
 
+    a, b, c = (torch.rand(2**22) for _ in range(3))  # 16 MiB each
+    moved = 3 * a.nbytes
+    torch.add(a, b, out=c)
+    dist.barrier()
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.add(a, b, out=c)
+        torch.mul(c, b, out=a)
+        done += 2 * moved
+    return done / (time.perf_counter() - start)
+
+
+def measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, int, float]]:
+    """(kind, buffer bytes, seconds) of all_reduce, all_gather and reduce_scatter over the world: the
+    slowest rank's median for each size (the buffer is the full one: gathered, or to be scattered)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
     out = []
     for nbytes in sizes:
-        buffer = torch.ones(nbytes // 4)
-        dist.all_reduce(buffer)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buffer)
-            times.append(time.perf_counter() - start)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out.append((nbytes, statistics.median(slowest.tolist())))
+        full = torch.ones(nbytes // 4)
+        piece = torch.ones(nbytes // 4 // world)
+        calls = {
+            "all_reduce": lambda full=full: dist.all_reduce(full),
+            "all_gather": lambda full=full, piece=piece: dist.all_gather_into_tensor(full, piece),
+            "reduce_scatter": lambda full=full, piece=piece: dist.reduce_scatter_tensor(piece, full),
+        }
+        for kind, call in calls.items():
+            call()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            out.append((kind, nbytes, statistics.median(slowest.tolist())))
     return out
 
 
@@ -283,14 +313,15 @@ def _quiet_torch() -> None:
 
 
 def _rank(cfg: LlamaConfig, layouts: Sequence[str], workload: Workload, steps: int, calibrate_s: float,
-          repeats: int) -> tuple[float, list[tuple[int, float]], list[tuple[str, list[float], int]]]:  # fmt: skip
-    """One gloo rank: calibration, then every layout trained; (FLOP/s, all_reduce times, per layout
-    (name, this rank's step times, this rank's peak))."""
+          repeats: int) -> tuple[float, float, list[tuple[str, int, float]], list[tuple[str, list[float], int]]]:  # fmt: skip
+    """One gloo rank: calibration, then every layout trained; (FLOP/s, memory bytes/s, collective
+    times, per layout (name, this rank's step times, this rank's peak))."""
     _quiet_torch()
     first = _layout(layouts[0])
     tokens = workload.global_batch // first.dp // first.microbatches * workload.seq // first.cp
     flops = measure_flops(cfg, tokens, calibrate_s)
-    all_reduce = measure_all_reduce(ALL_REDUCE_BYTES, repeats)
+    bandwidth = measure_memory_bandwidth(calibrate_s)
+    collectives = measure_collectives(COLLECTIVE_BYTES, repeats)
     trained = [_Trained(cfg, _layout(text), workload) for text in layouts]
     for t in trained:  # warm-up: the optimizer state, the sharding caches
         t.timed_step()
@@ -299,7 +330,7 @@ def _rank(cfg: LlamaConfig, layouts: Sequence[str], workload: Workload, steps: i
     for _ in range(steps):
         for t, seconds in zip(trained, times):
             seconds.append(t.timed_step())
-    return flops, all_reduce, [(text, s, p) for text, s, p in zip(layouts, times, peaks)]
+    return flops, bandwidth, collectives, [(text, s, p) for text, s, p in zip(layouts, times, peaks)]
 
 
 def measure(cfg: LlamaConfig, world: int, layouts: Sequence[str], workload: Workload, *, steps: int, calibrate_s: float = 1.0,
@@ -309,10 +340,11 @@ def measure(cfg: LlamaConfig, world: int, layouts: Sequence[str], workload: Work
 
     ranks = run_multiprocess(_rank, world, cfg, layouts, workload, steps, calibrate_s, repeats, timeout=TIMEOUT_S)
     flops = statistics.median(r[0] for r in ranks)
-    calibration = Calibration(world, flops, tuple(ranks[0][1]))
+    bandwidth = statistics.median(r[1] for r in ranks)
+    calibration = Calibration(world, flops, tuple(ranks[0][2]), bandwidth)
     measured = []
     for i, text in enumerate(layouts):
-        per_rank = [r[2][i] for r in ranks]
+        per_rank = [r[3][i] for r in ranks]
         slowest = tuple(max(s) for s in zip(*(times for _, times, _ in per_rank)))
         measured.append(Measured(text, slowest, max(peak for *_, peak in per_rank)))
     return calibration, measured
@@ -373,13 +405,14 @@ def print_world(
         "steps (the slowest rank's)"
     )
     print(
-        f"calibration: {calibration.peak_flops / 1e9:.2f} GFLOP/s per rank; all_reduce fit latency "
-        f"{link.latency * 1e6:.0f} us/round, bandwidth {link.bandwidth / 1e9:.3f} GB/s"
+        f"calibration: {calibration.peak_flops / 1e9:.2f} GFLOP/s and {calibration.memory_bandwidth / 1e9:.2f} GB/s "
+        f"of elementwise traffic per rank; collectives fit latency {link.latency * 1e6:.0f} us/round, bandwidth "
+        f"{link.bandwidth / 1e9:.3f} GB/s"
     )
-    for nbytes, seconds in calibration.all_reduce_s:
-        fitted = collective_rounds("all_reduce", calibration.world) * link.latency
-        fitted += received_bytes("all_reduce", calibration.world, nbytes) / link.bandwidth
-        print(f"  all_reduce {_mib(nbytes):>10}: measured {seconds * 1e3:8.2f} ms, fitted {fitted * 1e3:8.2f} ms")
+    for kind, nbytes, seconds in calibration.collectives_s:
+        fitted = collective_rounds(kind, calibration.world) * link.latency
+        fitted += received_bytes(kind, calibration.world, nbytes) / link.bandwidth
+        print(f"  {kind:<15}{_mib(nbytes):>10}: measured {seconds * 1e3:8.2f} ms, fitted {fitted * 1e3:8.2f} ms")
     print(
         f"{'layout':<18}{'pred step':>11}{'meas step':>11}{'meas/pred':>10}{'pred peak':>13}{'meas peak':>13}"
         f"{'mem err':>9}"
