@@ -297,6 +297,12 @@ def hsdp(workdir: str) -> Trained:
     return train(Layout(dp_replicate=2, dp_shard=2))
 
 
+def hsdp_x_tp(workdir: str) -> Trained:
+    """torchtitan's HSDP with tensor parallelism on 4 ranks: dp_replicate=2 x fsdp=1 x tp=2 (DDP x TP), through
+    fully_shard on its (dp_replicate, fsdp) mesh; parameters on the 3-d mesh, Replicate() over dp_replicate."""
+    return train(Layout(dp_replicate=2, dp_shard=1, tp=2))
+
+
 def selective_ac(workdir: str) -> Trained:
     """FSDP x TP with torchtitan's per-op selective activation checkpointing of every block."""
     return train(Layout(dp_shard=2, tp=2, selective_ac=True))
@@ -364,7 +370,7 @@ def checkpoint_resumed(workdir: str) -> Trained:
 SCENARIOS: dict[str, Callable[[str], Trained]] = {
     scenario.__name__: scenario
     for scenario in (
-        tp_sp_loss_parallel, fsdp_x_tp, hsdp, selective_ac, compiled, compiled_inductor, cp_x_tp, cp4,
+        tp_sp_loss_parallel, fsdp_x_tp, hsdp, hsdp_x_tp, selective_ac, compiled, compiled_inductor, cp_x_tp, cp4,
         pp_x_tp, pp_x_tp_replicated_gpipe, pp4, checkpoint_saved, checkpoint_resumed,
     )
 }
@@ -409,14 +415,14 @@ def reference() -> Trained:
 
 
 # The gloo launches: the save's run, then a later run that resumes (one world each, as on threads).
-SAVE_RUN = ["fsdp_x_tp", "hsdp", "selective_ac", "compiled", "checkpoint_saved"]
+SAVE_RUN = ["fsdp_x_tp", "hsdp", "hsdp_x_tp", "selective_ac", "compiled", "checkpoint_saved"]
 RESUME_RUN = ["tp_sp_loss_parallel", "cp_x_tp", "cp4", "pp_x_tp", "pp_x_tp_replicated_gpipe", "pp4", "checkpoint_resumed"]
 
 
 @pytest.mark.parametrize(
     "scenario",
     [
-        "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "selective_ac", "compiled", "cp_x_tp", "cp4",
+        "tp_sp_loss_parallel", "fsdp_x_tp", "hsdp", "hsdp_x_tp", "selective_ac", "compiled", "cp_x_tp", "cp4",
         "pp_x_tp", "pp_x_tp_replicated_gpipe", "pp4",
         pytest.param("compiled_inductor", marks=pytest.mark.slow),  # C++ builds: ~30 s more on two cores
     ],
