@@ -7,7 +7,9 @@ simulation finds (tests check it on every layout of small searches):
   FSDP's dp_shard x cp as if nothing were replicated, plus what each block must keep for backward
   under its checkpointing (``saved_per_token``) for every micro-batch in flight on stage 0;
 * compute: the matrix products of the blocks and the head (forward, backward, and the forward
-  again but its last product for fully checkpointed blocks) and causal attention, over the FLOP/s;
+  again but its last product for fully checkpointed blocks) and causal attention, over the FLOP/s,
+  and, when memory-bound work is priced, one read and write of each norm, residual add and MLP
+  activation forward and backward;
 * tensor parallel: two all-reduces' worth (or reduce-scatter plus all-gather) of the block's
   activation per block and micro-batch, forward and backward; context parallel: each block's
   keys and values gathered forward, gathered and reduce-scattered backward; data parallel, per
@@ -78,6 +80,8 @@ def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batc
     block_flops += attention * (1 + BACKWARD_ATTENTION_FACTOR + (layout.ac == "full"))
     last_flops = blocks[-1] * block_flops + 6 * tokens * head_params / tp
     compute = last_flops / cluster.flops
+    if cluster.memory_bandwidth is not None:
+        compute += blocks[-1] * tokens * _traffic_per_token(cfg, layout) * item / cluster.memory_bandwidth
 
     per_block = _critical_comm_per_block(cfg, layout, cluster, micro_batch, seq, item)
     dp_per_block = _data_parallel_comm_per_block(cfg, layout, cluster, item)
@@ -138,3 +142,11 @@ def saved_per_token(cfg: LlamaConfig, layout: Layout) -> float:
     if layout.ac == "selective":
         return d / sequence_sharded + (2 * d + 2 * kv + 2 * cfg.ffn_dim) / tp + 2 * d
     return 2 * d / sequence_sharded + 2 * d + (4 * d + 3 * cfg.ffn_dim) / tp
+
+
+def _traffic_per_token(cfg: LlamaConfig, layout: Layout) -> float:
+    """Elements one block's memory-bound ops read and write per token, at least: forward and backward
+    each read and write the two norms, the two residual adds and the MLP's activation once."""
+    sequence_sharded = layout.tp if layout.sp else 1
+    activation = (5 if cfg.gated else 2) * cfg.ffn_dim / layout.tp  # silu and the gate's product, or gelu
+    return 2 * (10 * cfg.dim / sequence_sharded + activation)

@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory", default="80GiB", help="bytes per rank, e.g. 80GiB")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense TFLOP/s per rank at --dtype")
     parser.add_argument(
-        "--memory-bandwidth", type=float, default=3350.0, help="GB/s of one rank's memory (memory-bound ops)"
+        "--memory-bandwidth",
+        type=float,
+        help="GB/s of one rank's memory, to price memory-bound ops (norms, activations, optimizer); unpriced "
+        "by default (FLOP-bound)",
     )
     parser.add_argument(
         "--efficiency", type=float, default=1.0, help="share of the peak the kernels reach (1.0: the FLOP bound)"
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> str:
         memory=parse_bytes(args.memory),
         ranks_per_node=args.ranks_per_node,
         peak_flops=flops,
-        memory_bandwidth=args.memory_bandwidth * 1e9,
+        memory_bandwidth=None if args.memory_bandwidth is None else args.memory_bandwidth * 1e9,
         links=links,
         compute_efficiency=args.efficiency,
     )

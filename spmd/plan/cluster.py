@@ -19,8 +19,10 @@ class Cluster:
     ranks_per_node: int = 8
     peak_flops: float = 989e12
     """Dense FLOP/s of one rank at the model's dtype (an H100's bf16)."""
-    memory_bandwidth: float = 3.35e12
-    """Bytes per second one rank's memory-bound ops read and write (an H100's HBM3)."""
+    memory_bandwidth: float | None = None
+    """Bytes per second one rank's memory-bound ops (norms, activations, adds, the optimizer's updates)
+    read and write; None leaves them unpriced (the step is FLOP-bound: on GPUs fused kernels keep
+    them small next to the products). The validation on CPU gives the measured figure."""
     links: Links = field(default_factory=Links)
     compute_efficiency: float = 1.0
     """The share of ``peak_flops`` the kernels reach (1.0: the FLOP bound itself)."""

@@ -3,9 +3,9 @@
 The model of the step (stated, and the same one the bounds use):
 
 * Compute: the program's FLOPs (matrix products and attention, recomputation included) over the
-  cluster's FLOP/s, plus the bytes its other ops read and write (norms, activations, adds, the
-  optimizer's updates) over the memory bandwidth. The optimizer step's work is in proportion to
-  the stage's parameter bytes.
+  cluster's FLOP/s, plus, when the cluster gives a memory bandwidth, the bytes its other ops read
+  and write (norms, activations, adds, the optimizer's updates) over it. The optimizer step's work
+  is in proportion to the stage's parameter bytes.
 * Tensor-parallel and context-parallel collectives are on the critical path: their ring time adds.
 * Data-parallel collectives (FSDP's gathers and reduce-scatters, DDP's and HSDP's all-reduces)
   overlap with compute; only what exceeds the step's compute is exposed.
@@ -268,8 +268,11 @@ def _dim_seconds(comm: Iterable[tuple[str, int, int]], layout: Layout, cluster: 
 
 
 def _compute_seconds(summary: Summary, cluster: Cluster) -> float:
-    """FLOPs at the FLOP/s, plus the memory-bound ops' bytes at the memory bandwidth."""
-    return summary.flops / cluster.flops + summary.traffic / cluster.memory_bandwidth
+    """FLOPs at the FLOP/s, plus the memory-bound ops' bytes at the memory bandwidth (if priced)."""
+    seconds = summary.flops / cluster.flops
+    if cluster.memory_bandwidth is not None:
+        seconds += summary.traffic / cluster.memory_bandwidth
+    return seconds
 
 
 def _p2p(key: ProgramKey, layout: Layout, cluster: Cluster, stage: int) -> tuple[float, int]:

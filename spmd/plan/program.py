@@ -106,7 +106,7 @@ class Program:
 ORDER = ("embed", "fwd_first", "fwd_block", "fwd_last", "head", "bwd_last", "bwd_block", "bwd_first", "embed_bwd")
 
 
-def tp_plan(sp: bool) -> dict[str, ParallelStyle]:
+def tp_plan(sp: bool, *, gated: bool = True) -> dict[str, ParallelStyle]:
     """torchtitan's Llama plan: column-wise in, row-wise out, vocab-sharded logits for loss_parallel."""
     act = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -117,7 +117,8 @@ def tp_plan(sp: bool) -> dict[str, ParallelStyle]:
         "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
     }
-    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+    columns = ["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"] + ["feed_forward.w3"] * gated
+    for name in columns:
         plan[f"layers.*.{name}"] = ColwiseParallel()
     if sp:
         plan.update({name: SequenceParallel() for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")})
@@ -179,7 +180,7 @@ def build(key: ProgramKey, mesh: DeviceMesh, *, layers: int = PROGRAM_BLOCKS,
     with torch.device(device):
         model = Llama(key.model.with_layers(layers)).to(key.dtype)
     if key.tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(key.sp))
+        parallelize_module(model, mesh["tp"], tp_plan(key.sp, gated=key.model.gated))
     if key.ac != "none":
         for i, block in enumerate(model.layers):
             model.layers[i] = _Checkpointed(block, key.ac)

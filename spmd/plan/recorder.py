@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from typing_extensions import Self
 
@@ -76,20 +75,36 @@ _NO_TRAFFIC = {
 """Ops that allocate without reading or writing the memory."""
 
 
-def _traffic_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
-    """Bytes a memory-bound op reads and writes: its tensor inputs, and its outputs unless they are views.
+_moves_memory: dict[Any, bool] = {}
 
-    Matrix products and attention are priced by FLOPs instead; a view moves nothing.
+
+def _is_memory_bound(func: Any) -> bool:
+    """Whether ``func`` reads and writes memory (not a view, an allocation or a FLOP-priced op); cached."""
+    known = _moves_memory.get(func)
+    if known is None:
+        returns = func._schema.returns
+        view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        priced = func in _ATTENTION_FORWARD or func in _ATTENTION_BACKWARD or func.overloadpacket in flop_registry
+        known = _moves_memory[func] = not (view or priced or func in _NO_TRAFFIC)
+    return known
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _traffic_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes a memory-bound op reads and writes: its tensor inputs and outputs.
+
+    Matrix products and attention are priced by FLOPs instead; a view or an allocation moves nothing.
     """
-    if func in _NO_TRAFFIC or func in _ATTENTION_FORWARD or func in _ATTENTION_BACKWARD:
+    if not _is_memory_bound(func):
         return 0
-    if func.overloadpacket in flop_registry:
-        return 0
-    returns = func._schema.returns
-    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-        return 0  # a view
-    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-    return sum(t.nbytes for t in tensors)
+    return _nbytes(args) + _nbytes(tuple(kwargs.values())) + _nbytes(out)
 
 
 class StepRecorder(MemoryTracker):  # type: ignore[no-untyped-call]
