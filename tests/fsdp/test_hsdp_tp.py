@@ -11,7 +11,9 @@ losses, gradients and parameters of two AdamW steps equal one device's, in float
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -234,20 +236,38 @@ TORCH_LAYOUTS = {
 }
 
 
+def with_checkpoint_chunks(model: nn.Module) -> dict[str, tuple[Any, ...]]:
+    """``describe`` and, per parameter, the (offsets, sizes) of the chunks this rank writes to a DCP checkpoint."""
+    described = describe(model)
+    return {
+        name: (*described[name], [(tuple(c.offsets), tuple(c.sizes)) for c in param.__create_chunk_list__()])
+        for name, param in model.named_parameters()
+    }
+
+
 def spmd_layout(shape: tuple[int, ...], names: tuple[str, ...], sp: bool) -> dict[str, tuple[Any, ...]]:
-    return describe(sharded_llama(init_device_mesh("cpu", shape, mesh_dim_names=names), sp))
+    return with_checkpoint_chunks(sharded_llama(init_device_mesh("cpu", shape, mesh_dim_names=names), sp))
 
 
-def torch_layouts(shape: tuple[int, ...], names: tuple[str, ...], sp: bool) -> list[dict[str, tuple[Any, ...]]]:
-    """torch's parallelize_module and fully_shard on the same layout, one rank at a time on a fake process group.
-
-    Only the styles' kinds decide where parameters go, so torch's plan names each module's kind only.
-    """
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """torch's default process group as ``rank`` of ``world_size``, on a fake backend (no data moves)."""
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def torch_placements(shape: tuple[int, ...], names: tuple[str, ...], sp: bool) -> dict[str, tuple[Any, ...]]:
+    """Per parameter: torch's placements, mesh dim names and global shape, from torch's parallelize_module and
+    fully_shard on rank 0. Only the styles' kinds decide where parameters go, so torch's plan names those only."""
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import parallel as torch_tp
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     plan: dict[str, Any] = {"tok_embeddings": torch_tp.RowwiseParallel(), "output": torch_tp.ColwiseParallel()}
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
@@ -255,29 +275,49 @@ def torch_layouts(shape: tuple[int, ...], names: tuple[str, ...], sp: bool) -> l
     for name in ("attention.wo", "feed_forward.w2"):
         plan[f"layers.*.{name}"] = torch_tp.RowwiseParallel()
     if sp:
-        plan.update(
-            {name: torch_tp.SequenceParallel() for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")}
-        )
+        norms = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+        plan.update({name: torch_tp.SequenceParallel() for name in norms})
+    with fake_rank(0, math.prod(shape)):
+        world = torch_init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = torch_tp.parallelize_module(llama(), world["tp"], plan)
+        dp_mesh = data_parallel_mesh(world)  # type: ignore[arg-type]
+        for block in model.layers:
+            torch_fully_shard(block, mesh=dp_mesh)
+        torch_fully_shard(model, mesh=dp_mesh)
+        return {
+            n: (tuple(p.placements), p.device_mesh.mesh_dim_names, tuple(p.shape)) for n, p in model.named_parameters()
+        }
+
+
+def torch_layouts(shape: tuple[int, ...], names: tuple[str, ...], sp: bool) -> list[dict[str, tuple[Any, ...]]]:
+    """``with_checkpoint_chunks`` of torch's layout on each rank: torch's placements, and the local shape and
+    offset torch's DTensor computes for them on that rank's mesh.
+
+    Building the model again on another fake rank of the same process would not do: torch's DTensor
+    caches hand back meshes made on the first rank (with its coordinate).
+    """
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = torch_placements(shape, names, sp)
     per_rank = []
     for rank in range(math.prod(shape)):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
-        try:
+        with fake_rank(rank, math.prod(shape)):
             world = torch_init_device_mesh("cpu", shape, mesh_dim_names=names)
-            model = torch_tp.parallelize_module(llama(), world["tp"], plan)
-            dp_mesh = data_parallel_mesh(world)  # type: ignore[arg-type]
-            for block in model.layers:
-                torch_fully_shard(block, mesh=dp_mesh)
-            torch_fully_shard(model, mesh=dp_mesh)
-            per_rank.append(describe(model))
-        finally:
-            dist.destroy_process_group()
+            data_parallel_mesh(world)  # type: ignore[arg-type]  # makes dp_shard_cp where there is a cp dim
+            described = {}
+            for name, (placements, mesh_names, global_shape) in params.items():
+                local, offset = compute_local_shape_and_global_offset(global_shape, world[mesh_names], placements)
+                reprs = tuple(repr(p) for p in placements)
+                described[name] = (reprs, mesh_names, tuple(local), [(tuple(offset), tuple(local))])
+            per_rank.append(described)
     return per_rank
 
 
 @pytest.mark.filterwarnings("ignore:Slicing a flattened dim from root mesh")  # torch's, on dp_shard_cp
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence_parallel"])
 @pytest.mark.parametrize("layout", TORCH_LAYOUTS.keys())
-def test_placements_and_local_shapes_equal_torchs_fsdp2(layout: str, sp: bool) -> None:
+def test_placements_local_shapes_and_checkpoint_chunks_equal_torchs_fsdp2(layout: str, sp: bool) -> None:
     shape, names = TORCH_LAYOUTS[layout]
     ours = run_threaded(spmd_layout, math.prod(shape), shape, names, sp)
     theirs = torch_layouts(shape, names, sp)
