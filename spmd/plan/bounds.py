@@ -12,7 +12,8 @@ simulation finds (tests check it on every layout of small searches):
   activation forward and backward;
 * tensor parallel: two all-reduces' worth (or reduce-scatter plus all-gather) of the block's
   activation per block and micro-batch, forward and backward; context parallel: each block's
-  keys and values gathered forward, gathered and reduce-scattered backward; data parallel, per
+  keys and values (repeated to every query head, as the model hands them to attention) gathered
+  forward, gathered and reduce-scattered backward; data parallel, per
   block and micro-batch: FSDP's two gathers and one reduce-scatter of the block's parameters, the
   replicas' all-reduce; and the bubble of the pipeline;
 * each at the fastest link its group could get from any mesh order (inside a node when it fits),
@@ -112,7 +113,8 @@ def _critical_comm_per_block(cfg: LlamaConfig, layout: Layout, cluster: Cluster,
     tp, cp = layout.tp, layout.cp
     activation = micro_batch * seq // cp * cfg.dim * item
     seconds = 4 * _ring("all_reduce", tp, activation, cluster)  # two out, two back (or RS + AG each)
-    keys_values = 2 * micro_batch * seq * cfg.kv_heads * cfg.head_dim * item / tp
+    # keys and values as attention sees them: repeated to every query head (the model repeats them first)
+    keys_values = 2 * micro_batch * seq * cfg.heads * cfg.head_dim * item / tp
     seconds += 3 * _ring("all_gather", cp, keys_values, cluster)  # gathered forward; gathered, reduced back
     return seconds
 

@@ -76,16 +76,16 @@ def _powers_of_two_upto(n: int) -> list[int]:
 
 
 NOT_SEARCHED = {
-    "replicate_tp": "DDP or HSDP (dp_replicate > 1) with tensor parallelism: spmd's fully_shard shards "
-    "tensor-parallel parameters over one data-parallel dim and replicates none",
+    "pp_cp": "pipeline stages with context parallelism: spmd has not run the two together yet (each is "
+    "tested with tp and fsdp, not with the other)",
 }
 """Layouts spmd cannot run yet, by reason: listed, never estimated."""
 
 
 def not_searched(layout: Layout) -> str | None:
     """Why spmd cannot run ``layout`` yet (a key of ``NOT_SEARCHED``), or None."""
-    if layout.dp_replicate > 1 and layout.tp > 1:
-        return "replicate_tp"
+    if layout.pp > 1 and layout.cp > 1:
+        return "pp_cp"
     return None
 
 

@@ -32,7 +32,7 @@ import torch
 
 from spmd.plan.cluster import Cluster
 from spmd.plan.layout import Layout, groups_share_node
-from spmd.plan.program import PROGRAM_BLOCKS, PROGRAM_DIMS, Program, ProgramKey, Segment, simulate_program
+from spmd.plan.program import PROGRAM_DIMS, ProgramKey, Segment, simulate_program
 from spmd.tensor.redistribute.cost import collective_rounds, received_bytes
 
 __all__ = ["StepEstimate", "StageEstimate", "estimate_step", "stage_blocks", "OVERLAPPED_DIMS", "group_dims"]
@@ -207,12 +207,6 @@ class StageEstimate:
     optimizer_step: Summary
 
 
-def _program_params(program: Program) -> int:
-    """Local parameter bytes of the simulated program (its optimizer step's work is in proportion)."""
-    sizes = program.param_bytes
-    return PROGRAM_BLOCKS * sizes["block"] + sizes["embed"] + sizes["head"]
-
-
 def estimate_stage(key: ProgramKey, layout: Layout, stage: int, blocks: int) -> StageEstimate:
     """Memory, FLOPs and collectives of one stage over the step (order-independent)."""
     pieces = summaries(key, layout.dp_replicate)
@@ -230,7 +224,7 @@ def estimate_stage(key: ProgramKey, layout: Layout, stage: int, blocks: int) -> 
     optimizer = int(params * program.optimizer_bytes_per_param_byte)
     return StageEstimate(
         stage, blocks, params, params, optimizer, step.peak_no_grad, params + optimizer + step.peak,
-        step, forward.then(backward), pieces["optimizer"].scaled(params / _program_params(program)),
+        step, forward.then(backward), pieces["optimizer"].scaled(params / max(program.param_bytes["block"], 1)),
     )  # fmt: skip
 
 

@@ -139,8 +139,9 @@ def test_why_names_time_when_the_simpler_layout_fits_but_is_slower() -> None:
 
 def test_layouts_spmd_cannot_run_are_listed_not_estimated() -> None:
     result = search(TINY, Cluster(world=4, memory=2**40, ranks_per_node=2), WORKLOAD, top_k=1)
-    assert any("tensor parallelism" in reason for reason in result.not_searched)
-    assert not_searched(parse_layout("dp=2,tp=2")) is not None
+    assert any("context parallelism" in reason for reason in result.not_searched)
+    assert not_searched(parse_layout("pp=2,cp=2,1F1Bx2")) is not None
+    assert not_searched(parse_layout("dp=2,tp=2")) is None  # HSDP with tensor parallelism runs
 
 
 def test_the_command_line_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
