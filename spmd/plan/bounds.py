@@ -16,19 +16,20 @@ simulation finds (tests check it on every layout of small searches):
   forward, gathered and reduce-scattered backward; data parallel, per
   block and micro-batch: FSDP's two gathers and one reduce-scatter of the block's parameters, the
   replicas' all-reduce; and the bubble of the pipeline;
-* each at the fastest link its group could get from any mesh order (inside a node when it fits),
-  latency included.
+* each on the link its group gets in the layout's mesh order, latency included; the bound is the
+  least over the orders.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from spmd.plan.cluster import Cluster
 from spmd.plan.compose import stage_blocks
-from spmd.plan.layout import Layout
+from spmd.plan.layout import Layout, groups_share_node, mesh_orders
 from spmd.plan.llama import LlamaConfig
 from spmd.plan.recorder import BACKWARD_ATTENTION_FACTOR
 from spmd.tensor.redistribute.cost import collective_bytes, collective_rounds
@@ -47,10 +48,6 @@ class Bounds:
     """Of ``memory``: parameters, gradients and optimizer state."""
     step_s: float
     """Seconds the step takes at least."""
-
-
-def _bandwidth(cluster: Cluster, group: int) -> float:
-    return cluster.link(group <= cluster.ranks_per_node).bandwidth
 
 
 def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batch: int, seq: int,
@@ -84,48 +81,88 @@ def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batc
     if cluster.memory_bandwidth is not None:
         compute += blocks[-1] * tokens * _traffic_per_token(cfg, layout) * item / cluster.memory_bandwidth
 
-    per_block = _critical_comm_per_block(cfg, layout, cluster, micro_batch, seq, item)
-    dp_per_block = _data_parallel_comm_per_block(cfg, layout, cluster, item)
+    critical, data_parallel = _traffic_needs(cfg, layout, micro_batch, seq, item)
     fewest = min(blocks)
-    bubble_steps = m + pp - 1
-    # the step is at least the slowest stage's micro-batches through the bubble, and at least the
-    # data-parallel traffic of any stage plus its own critical path (see compose's model)
-    step = max(
-        bubble_steps * (compute + blocks[-1] * per_block),
-        m * fewest * dp_per_block + bubble_steps * fewest * per_block,
+    step = min(
+        _step_bound(layout, cluster, intra, compute, critical, data_parallel, blocks[-1], fewest)
+        for intra in _link_patterns(layout, cluster.ranks_per_node)
     )
-    if not cluster.overlap:  # nothing hides: every collective adds
-        step = max(step, bubble_steps * (compute + blocks[-1] * per_block) + m * fewest * dp_per_block)
     return Bounds(memory=SAFETY * memory, state=SAFETY * state, step_s=SAFETY * step)
 
 
-def _ring(kind: str, n: int, buffer: float, cluster: Cluster) -> float:
-    """A collective's ring time on the fastest link its group could get."""
-    if n <= 1:
-        return 0.0
-    link = cluster.link(n <= cluster.ranks_per_node)
-    return collective_rounds(kind, n) * link.latency + collective_bytes(kind, n, int(buffer)) / link.bandwidth
+Need = tuple[tuple[str, ...], str, int, float, int]
+"""(mesh dims of the group, collective, group size, buffer bytes, how many) that one block's
+micro-batch must issue at least."""
 
 
-def _critical_comm_per_block(cfg: LlamaConfig, layout: Layout, cluster: Cluster, micro_batch: int, seq: int,
-                             item: int) -> float:  # fmt: skip
-    """Tensor- and context-parallel time one block's micro-batch must spend at least."""
-    tp, cp = layout.tp, layout.cp
+def _traffic_needs(cfg: LlamaConfig, layout: Layout, micro_batch: int, seq: int,
+                   item: int) -> tuple[list[Need], list[Need]]:  # fmt: skip
+    """The critical-path collectives (tp, cp) and the data-parallel ones of one block's micro-batch, at least.
+
+    Tensor parallel: two all-reduces' worth of the activation out, two back (or reduce-scatter plus
+    all-gather each). Context parallel: keys and values, repeated to every query head as the model
+    hands them to attention, gathered forward, gathered and reduce-scattered back. FSDP: the block's
+    parameters gathered forward and backward, its gradient reduce-scattered; replicas all-reduce
+    the shard.
+    """
+    tp, cp, shard = layout.tp, layout.cp, layout.dp_shard * layout.cp
     activation = micro_batch * seq // cp * cfg.dim * item
-    seconds = 4 * _ring("all_reduce", tp, activation, cluster)  # two out, two back (or RS + AG each)
-    # keys and values as attention sees them: repeated to every query head (the model repeats them first)
     keys_values = 2 * micro_batch * seq * cfg.heads * cfg.head_dim * item / tp
-    seconds += 3 * _ring("all_gather", cp, keys_values, cluster)  # gathered forward; gathered, reduced back
-    return seconds
+    critical: list[Need] = [(("tp",), "all_reduce", tp, activation, 4), (("cp",), "all_gather", cp, keys_values, 3)]
+    block = cfg.layer_params() * item / tp
+    data_parallel: list[Need] = [
+        (("dp_shard", "cp"), "all_gather", shard, block, 3),
+        (("dp_replicate",), "all_reduce", layout.dp_replicate, block / shard, 1),
+    ]
+    return critical, data_parallel
 
 
-def _data_parallel_comm_per_block(cfg: LlamaConfig, layout: Layout, cluster: Cluster, item: int) -> float:
-    """Data-parallel time one block's micro-batch must spend at least: FSDP gathers its parameters
-    forward and backward and reduce-scatters its gradient; replicas all-reduce theirs."""
-    shard = layout.dp_shard * layout.cp
-    block = cfg.layer_params() * item / layout.tp
-    seconds = 3 * _ring("all_gather", shard, block, cluster)
-    return seconds + _ring("all_reduce", layout.dp_replicate, block / shard, cluster)
+NEED_GROUPS = (("tp",), ("cp",), ("dp_shard", "cp"), ("dp_replicate",))
+"""The groups the bounds' collectives run over."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _link_patterns_of(sizes: tuple[tuple[str, int], ...], ranks_per_node: int) -> frozenset[tuple[bool, ...]]:
+    from spmd.plan.layout import Layout
+
+    layout = Layout(**dict(sizes))  # type: ignore[arg-type]
+    # pp outermost never lengthens another group's span, so those orders give every pattern that can win
+    orders = [order for order in mesh_orders(layout) if order[0] == "pp" or layout.pp == 1]
+    return frozenset(
+        tuple(groups_share_node(layout.with_order(order), dims, ranks_per_node) for dims in NEED_GROUPS)
+        for order in orders
+    )
+
+
+def _link_patterns(layout: Layout, ranks_per_node: int) -> frozenset[tuple[bool, ...]]:
+    """For each mesh order, which of ``NEED_GROUPS`` share a node (the distinct patterns only)."""
+    sizes = tuple((dim, layout.size(dim)) for dim in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    return _link_patterns_of(sizes, ranks_per_node)
+
+
+def _seconds(needs: list[Need], intra: tuple[bool, ...], cluster: Cluster) -> float:
+    """The needs' ring time on the links ``intra`` (per ``NEED_GROUPS``) gives their groups."""
+    total = 0.0
+    for dims, kind, n, buffer, count in needs:
+        if n > 1:
+            link = cluster.link(intra[NEED_GROUPS.index(dims)])
+            received = collective_bytes(kind, n, int(buffer))
+            total += count * (collective_rounds(kind, n) * link.latency + received / link.bandwidth)
+    return total
+
+
+def _step_bound(layout: Layout, cluster: Cluster, intra: tuple[bool, ...], compute: float, critical: list[Need],
+                data_parallel: list[Need], last_blocks: int, fewest_blocks: int) -> float:  # fmt: skip
+    """The step's bound for one pattern of links: at least the slowest stage's micro-batches through
+    the bubble, and at least the data-parallel traffic of any stage plus its own critical path
+    (compose's model); with nothing overlapping, both add."""
+    m, bubble_steps = layout.microbatches, layout.microbatches + layout.pp - 1
+    per_block = _seconds(critical, intra, cluster)
+    dp_per_block = _seconds(data_parallel, intra, cluster)
+    through = bubble_steps * (compute + last_blocks * per_block)
+    if not cluster.overlap:
+        return through + m * fewest_blocks * dp_per_block
+    return max(through, m * fewest_blocks * dp_per_block + bubble_steps * fewest_blocks * per_block)
 
 
 def saved_per_token(cfg: LlamaConfig, layout: Layout) -> float:

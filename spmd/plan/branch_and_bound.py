@@ -24,7 +24,7 @@ import torch
 from spmd.plan.bounds import Bounds, lower_bounds
 from spmd.plan.cluster import Cluster, Workload
 from spmd.plan.compose import StepEstimate, stages_of, step_time, summaries
-from spmd.plan.layout import AC_MODES, MESH_DIMS, Layout, divisors, factorizations
+from spmd.plan.layout import AC_MODES, MESH_DIMS, Layout, divisors, factorizations, mesh_orders
 from spmd.plan.llama import LlamaConfig
 from spmd.plan.program import ProgramKey, simulate_program
 
@@ -125,13 +125,6 @@ def program_key(cfg: LlamaConfig, layout: Layout, workload: Workload, dtype: tor
         cfg, min(layout.dp_replicate, 2), layout.dp_shard, layout.cp, layout.tp, layout.sp, layout.ac, micro_batch,
         workload.seq, dtype,
     )  # fmt: skip
-
-
-def mesh_orders(layout: Layout) -> list[tuple[str, ...]]:
-    """The mesh orders that differ for this layout: permutations of its dims bigger than one."""
-    used = [dim for dim in MESH_DIMS if layout.size(dim) > 1]
-    rest = tuple(dim for dim in MESH_DIMS if layout.size(dim) == 1)
-    return [(*order, *rest) for order in itertools.permutations(used)] or [MESH_DIMS]
 
 
 def best_order(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Workload,

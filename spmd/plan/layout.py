@@ -12,9 +12,10 @@ groups are the ones that share a node.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
-__all__ = ["Layout", "MESH_DIMS", "AC_MODES", "SCHEDULES", "parse_layout"]
+__all__ = ["Layout", "MESH_DIMS", "AC_MODES", "SCHEDULES", "parse_layout", "mesh_orders", "groups_share_node"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Every mesh dim a layout has, in the default order (outermost first)."""
@@ -124,3 +125,10 @@ def groups_share_node(layout: Layout, dims: tuple[str, ...], ranks_per_node: int
             last += (size - 1) * stride
         stride *= size
     return last < ranks_per_node
+
+
+def mesh_orders(layout: Layout) -> list[tuple[str, ...]]:
+    """The mesh orders that differ for this layout: permutations of its dims bigger than one."""
+    used = [dim for dim in MESH_DIMS if layout.size(dim) > 1]
+    rest = tuple(dim for dim in MESH_DIMS if layout.size(dim) == 1)
+    return [(*order, *rest) for order in itertools.permutations(used)] or [MESH_DIMS]

@@ -2,9 +2,10 @@
 constraint behind each thing it pays for.
 
 For every costly choice of a plan (a tensor-, context- or pipeline-parallel degree, checkpointing,
-micro-batches, sharding instead of replicating, a mesh order) the simpler layout next to it is
-evaluated the same way (bound first, simulated if the bound allows): it either does not fit, by how
-much and in what, or it is slower, by how much and where. That is the binding constraint.
+micro-batches, sharding instead of replicating, replicas instead of sharding) the simpler layout
+next to it is evaluated the same way: its closed-form bounds first (it cannot fit, or it cannot be
+faster), simulated only when they do not decide. It either does not fit, by how much and in what,
+or it is slower, by how much and where. That is the binding constraint.
 """
 
 from __future__ import annotations
@@ -114,6 +115,12 @@ def _reason(dim: str, plan: StepEstimate, other: Layout, cfg: LlamaConfig, clust
     if bounds.memory > cluster.memory:
         text = f"{choice}: with {other} a rank needs at least {human_bytes(bounds.memory)} > {budget} (activations)"
         return Reason(choice, str(other), "memory", text)
+    if bounds.step_s > plan.step_s:  # slower whatever it needs: no simulation required
+        text = (
+            f"{choice}: {other} is slower, whether or not it fits: its step takes at least "
+            f"{human_seconds(bounds.step_s)} (the closed-form bound)"
+        )
+        return Reason(choice, str(other), "time", text)
     alt = evaluate(cfg, other, cluster, workload, dtype)
     if alt.peak > cluster.memory:
         stage = alt.fullest
