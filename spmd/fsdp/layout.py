@@ -301,6 +301,17 @@ def _root_order(layouts: list[DimLayout]) -> list[int]:
     return sorted(range(len(layouts)), key=lambda d: keys[d])
 
 
+def _as_slice_of(root: DeviceMesh, sub: DeviceMesh) -> DeviceMesh:
+    """``sub``, or ``root``'s slice over the same dim names when that equals it: a mesh equal to a
+    slice of ``root`` (the same ranks, names and world, so the same groups) but cut from another
+    root of the same dims, as a DTensor built through a cached sharding decision can carry."""
+    names = sub.mesh_dim_names
+    if sub._get_root_mesh() is root or not names or not set(names) <= set(root.mesh_dim_names or ()):
+        return sub
+    candidate = root[names]
+    return candidate if candidate == sub else sub
+
+
 def _sibling_full_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str, hsdp: bool) -> tuple[DeviceMesh, list[int]]:
     """The root-mesh slice over fully_shard's dims and tp's, and which of them (dp's first) each of its dims is."""
     root = mesh._get_root_mesh()
@@ -308,6 +319,7 @@ def _sibling_full_mesh(mesh: DeviceMesh, tp_mesh: DeviceMesh, where: str, hsdp: 
         'tensor-parallelise on a sub-mesh of the same mesh as fully_shard\'s (parallelize_module(model, world["tp"], '
         'plan), fully_shard(block, mesh=world["dp"])), or on the n-d mesh itself (fully_shard(block, mesh=world))'
     )
+    tp_mesh = _as_slice_of(root, tp_mesh)
     if (mesh.ndim != 1 and not hsdp) or tp_mesh._get_root_mesh() != root or root == mesh:
         raise ValueError(f"fully_shard: parameter {where} is a DTensor on {tp_mesh}, not on {mesh}; {fix}")
     # Each sub-mesh dim's place in the root's rank list (mesh_layout.py), so that dims cut from the

@@ -220,6 +220,28 @@ def test_sequence_parallel_gradient_accumulation_and_no_reshard() -> None:
     }
 
 
+def test_a_second_world_with_an_equal_tp_mesh_shards_too() -> None:
+    """Two jobs in one process, one after the other: the second world's tp sub-mesh equals the
+    first's (the same ranks and name), and a parameter built through a cached sharding decision may
+    carry the first world's object. fully_shard takes it as the second world's slice."""
+
+    def two_worlds() -> list[tuple[int, ...]]:
+        shapes = []
+        for shape in ((1, 2, 2), (2, 1, 2)):
+            world = init_device_mesh("cpu", shape, mesh_dim_names=NAMES)
+            model = llama()
+            parallelize_module(model, world["tp"], tp_plan(False))
+            for block in model.layers:
+                fully_shard(block, mesh=world["dp_replicate", "dp_shard"])
+            fully_shard(model, mesh=world["dp_replicate", "dp_shard"])
+            weight = model.layers[0].attention.wq.weight
+            assert isinstance(weight, DTensor) and weight.device_mesh._get_root_mesh() is world
+            shapes.append(tuple(weight.device_mesh.shape))
+        return shapes
+
+    assert run_threaded(two_worlds, 4)[0] == [(1, 2, 2), (2, 1, 2)]
+
+
 def test_mixed_precision_gathers_float32_and_reduces_in_float64() -> None:
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
     # AdamW's eps 1e-3: float32's gradient error then moves a step by at most LR * 2e-6 / 1e-3
