@@ -31,7 +31,7 @@ machine's cores) does three things, and the parent then predicts and compares:
 
 The check (exit status 1 unless ``--no-check``): correlation >= 0.8 and memory error <= 10% for
 every world size. Pipeline layouts (pp > 1) are left out: ``train_microbatch`` runs no pipeline
-schedule. Layouts with dp_replicate > 1 and tp > 1 are left out too: spmd cannot run them yet.
+schedule.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ DEMO_DIM = 256
 SEQ = 256
 GLOBAL_BATCH = 16
 LAYOUTS: dict[int, tuple[str, ...]] = {
-    4: ("dp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2", "fsdp=2,tp=2,sp", "fsdp=4,ac=full", "fsdp=2,cp=2", "fsdp=4,accum=4"),
-    8: ("dp=8", "fsdp=8", "fsdp=2,tp=4", "fsdp=4,tp=2,sp", "fsdp=8,ac=full", "fsdp=4,cp=2", "fsdp=8,accum=2",
-        "dp=2,fsdp=4"),
+    4: ("dp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2", "fsdp=2,tp=2,sp", "dp=2,tp=2", "fsdp=4,ac=full", "fsdp=2,cp=2",
+        "fsdp=4,accum=4"),
+    8: ("dp=8", "fsdp=8", "fsdp=2,tp=4", "fsdp=4,tp=2,sp", "dp=2,fsdp=2,tp=2", "fsdp=8,ac=full", "fsdp=4,cp=2",
+        "fsdp=8,accum=2", "dp=2,fsdp=4"),
 }  # fmt: skip
 """The layouts each world trains (parse_layout's syntax: dp= replicas, fsdp= shards, accum= micro-batches)."""
 QUICK_LAYOUTS = ("dp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2,sp", "fsdp=4,ac=full", "fsdp=4,accum=4")

@@ -222,17 +222,24 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
 
 
 def relaxed(layout: Layout) -> list[tuple[str, Layout]]:
-    """The simpler layouts next to ``layout``: each gives up one thing it pays for (for the why lines)."""
+    """The simpler layouts next to ``layout``: each gives up one thing it pays for (for the why lines).
+
+    A tensor-, context- or pipeline-parallel degree halves and its ranks go to FSDP; where the batch
+    cannot take more data-parallel ranks, a halved tp or pp goes to cp and a halved cp to tp instead
+    (several entries for one dim: the first the batch and the model allow is the one that counts).
+    """
     out: list[tuple[str, Layout]] = []
-    for dim in ("tp", "cp", "pp"):
+    elsewhere = {"tp": ("dp_shard", "cp"), "cp": ("dp_shard", "tp"), "pp": ("dp_shard", "cp")}
+    for dim, targets in elsewhere.items():
         size = layout.size(dim)
         if size > 1 and size % 2 == 0:
-            lay = replace(layout, **{dim: size // 2, "dp_shard": layout.dp_shard * 2})  # type: ignore[arg-type]
-            if dim == "tp" and size // 2 == 1:
-                lay = replace(lay, sp=False)
-            if dim == "pp" and size // 2 == 1:
-                lay = replace(lay, schedule="1F1B")
-            out.append((dim, lay))
+            for target in targets:
+                lay = replace(layout, **{dim: size // 2, target: layout.size(target) * 2})  # type: ignore[arg-type]
+                if lay.tp == 1:
+                    lay = replace(lay, sp=False)
+                if lay.pp == 1:
+                    lay = replace(lay, schedule="1F1B")
+                out.append((dim, lay))
     if layout.ac != "none":
         out.append(("ac", replace(layout, ac=AC_MODES[AC_MODES.index(layout.ac) - 1])))
     if layout.microbatches > 1 and (layout.pp == 1 or layout.microbatches // 2 >= layout.pp):

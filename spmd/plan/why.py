@@ -167,10 +167,10 @@ def why(plan: StepEstimate, cfg: LlamaConfig, cluster: Cluster, workload: Worklo
         dtype: torch.dtype = torch.bfloat16) -> tuple[list[str], list[Reason]]:  # fmt: skip
     """The lines that explain ``plan``: memory, time, mesh order, then one ``Reason`` per costly choice."""
     lines = [memory_line(plan, cluster), time_line(plan, cluster), order_line(plan.layout, cluster)]
-    neighbours = [(dim, _with_batch(other, workload)) for dim, other in relaxed(plan.layout)]
-    reasons = [
-        _reason(dim, plan, other, cfg, cluster, workload, dtype)
-        for dim, other in neighbours
-        if admissible(cfg, other, cluster, workload) and not_searched(other) is None
-    ]
+    neighbours: dict[str, Layout] = {}
+    for dim, other in relaxed(plan.layout):
+        other = _with_batch(other, workload)
+        if dim not in neighbours and admissible(cfg, other, cluster, workload) and not_searched(other) is None:
+            neighbours[dim] = other
+    reasons = [_reason(dim, plan, other, cfg, cluster, workload, dtype) for dim, other in neighbours.items()]
     return lines, reasons
