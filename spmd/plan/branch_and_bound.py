@@ -160,13 +160,8 @@ def dominated_by(layout: Layout) -> list[Layout]:
     return out
 
 
-def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, top_k: int = 5,
-                   dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:  # fmt: skip
-    """The ``top_k`` fastest layouts that fit (see the module docstring); ``exhaustive`` simulates every
-    layout the memory bound keeps (the brute force the tests compare against)."""
-    started = time.perf_counter()
-    simulate_program.cache_clear()
-    summaries.cache_clear()
+def _runnable_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) -> tuple[list[Layout], dict[str, int]]:
+    """The candidate layouts spmd runs, and how many it cannot run yet, by reason."""
     layouts: list[Layout] = []
     skipped: dict[str, int] = {}
     for layout in candidate_layouts(cfg, cluster, workload):
@@ -180,19 +175,30 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
             f"no layout of {cluster.world} ranks fits the model's shapes and a global batch of {workload.global_batch}: "
             "the data-parallel degree must divide the batch, tp the key/value heads, and cp half the sequence"
         )
+    return layouts, skipped
+
+
+def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, top_k: int = 5,
+                   dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:  # fmt: skip
+    """The ``top_k`` fastest layouts that fit (see the module docstring); ``exhaustive`` simulates every
+    layout the memory bound keeps (the brute force the tests compare against)."""
+    started = time.perf_counter()
+    simulate_program.cache_clear()
+    summaries.cache_clear()
+    layouts, skipped = _runnable_layouts(cfg, cluster, workload)
     bounded = [(lower_bounds(cfg, lay, cluster, workload.global_batch, workload.seq, dtype), lay) for lay in layouts]
     kept = [(b, lay) for b, lay in bounded if b.memory <= cluster.memory]
     kept.sort(key=lambda item: (item[0].step_s, AC_MODES.index(item[1].ac), item[1].microbatches, item[1].schedule))
     top: list[Ranked] = []
     over: list[Ranked] = []
-    fits: set[Layout] = set()
+    beaten: set[Layout] = set()  # layouts that fit, or that a fitting one dominates
     simulated = dominated = 0
     for bounds, layout in kept:
         if not exhaustive and len(top) >= top_k and bounds.step_s >= top[top_k - 1].estimate.step_s:
             break
-        if not exhaustive and any(simpler in fits for simpler in dominated_by(layout)):
+        if not exhaustive and any(simpler in beaten for simpler in dominated_by(layout)):
             dominated += 1
-            fits.add(layout)  # what it dominates is dominated too
+            beaten.add(layout)  # what it dominates is dominated too
             continue
         estimate = best_order(cfg, layout, cluster, workload, dtype)
         simulated += 1
@@ -200,7 +206,7 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
         if estimate.peak > cluster.memory:
             over.append(ranked)
             continue
-        fits.add(layout)
+        beaten.add(layout)
         top.append(ranked)
         top.sort(key=lambda r: (r.estimate.step_s, r.estimate.peak))  # a tie goes to more headroom
     return SearchResult(
