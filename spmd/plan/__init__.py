@@ -7,7 +7,8 @@
 Modules, one job each::
 
   layout.py    Layout: the degrees of pp / dp_replicate / dp_shard / cp / tp, sp, ac, micro-batches, mesh order
-  llama.py     the Llama- and GPT-shaped decoder the search plans, and its presets
+  llama.py     the Llama- and GPT-shaped decoder the search plans, its presets and tp plan
+  decoder.py   PlanModel (what the search reads of a model) and ModuleDecoder (any decoder nn.Module)
   cluster.py   Cluster (ranks, links, FLOP/s, memory) and Workload (global batch, sequence)
   program.py   one micro-batch of a layout simulated on meta (spmd.simulate's world), cut into pieces
   recorder.py  memory events, collectives and FLOPs between marks of a simulated step
@@ -21,6 +22,7 @@ Modules, one job each::
 
 from spmd.plan.branch_and_bound import SearchResult, evaluate, search_layouts
 from spmd.plan.cluster import Cluster, Workload
+from spmd.plan.decoder import ModuleDecoder, PlanModel
 from spmd.plan.layout import Layout, parse_layout
 from spmd.plan.llama import GPT_PRESETS, LLAMA_PRESETS, LlamaConfig
 
@@ -36,6 +38,8 @@ __all__ = [
     "Layout",
     "parse_layout",
     "LlamaConfig",
+    "ModuleDecoder",
+    "PlanModel",
     "LLAMA_PRESETS",
     "GPT_PRESETS",
 ]

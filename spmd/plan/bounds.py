@@ -29,6 +29,7 @@ import torch
 
 from spmd.plan.cluster import Cluster
 from spmd.plan.compose import stage_blocks
+from spmd.plan.decoder import PlanModel
 from spmd.plan.layout import Layout, groups_share_node, mesh_orders
 from spmd.plan.llama import LlamaConfig
 from spmd.plan.recorder import BACKWARD_ATTENTION_FACTOR
@@ -50,37 +51,28 @@ class Bounds:
     """Seconds the step takes at least."""
 
 
-def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batch: int, seq: int,
+def lower_bounds(cfg: PlanModel, layout: Layout, cluster: Cluster, global_batch: int, seq: int,
                  dtype: torch.dtype) -> Bounds:  # fmt: skip
-    """The bounds of the module docstring for ``layout`` (a valid one: degrees divide the sizes)."""
+    """The bounds of the module docstring for ``layout`` (a valid one: degrees divide the sizes).
+
+    For a model that is not a built-in ``LlamaConfig`` only the training state and the
+    data-parallel traffic are bounded: nothing is known of its blocks' FLOPs or activations.
+    """
     item = torch.empty((), dtype=dtype, device="meta").element_size()
     tp, cp, pp, m = layout.tp, layout.cp, layout.pp, layout.microbatches
-    shard = layout.dp_shard * cp
     micro_batch = global_batch // layout.dp // m
     blocks = stage_blocks(cfg.layers, pp)
-    head_params = cfg.vocab * cfg.dim
-    stage_params = [b * cfg.layer_params() + head_params * (s == 0 or s == pp - 1) for s, b in enumerate(blocks)]
-    state = max(stage_params) * item * 4 / (tp * shard)  # parameter, gradient, two AdamW moments
-    in_flight = m if layout.schedule == "GPipe" or pp == 1 else min(pp, m)
-    if pp == 1:
-        in_flight = 1
-    saved = micro_batch * seq // cp * saved_per_token(cfg, layout) * item
+    outside = cfg.params() - cfg.layers * cfg.layer_params()  # embedding and head: split between the end stages
+    ends = {0, pp - 1}
+    stage_params = [
+        b * cfg.layer_params() + (outside if pp == 1 else outside / 2) * (s in ends) for s, b in enumerate(blocks)
+    ]
+    state = max(stage_params) * item * 4 / (tp * layout.dp_shard * cp)  # parameter, gradient, AdamW's two
+    llama = cfg if isinstance(cfg, LlamaConfig) else None
+    in_flight = 1 if pp == 1 else m if layout.schedule == "GPipe" else min(pp, m)
+    saved = 0.0 if llama is None else micro_batch * seq // cp * saved_per_token(llama, layout) * item
     memory = state + blocks[0] * in_flight * saved
-
-    tokens = micro_batch * seq // cp
-    linear = cfg.layer_params() - 2 * cfg.dim
-    # full checkpointing recomputes the forward but its last product (no saved tensor needs it);
-    # selective keeps the products' outputs, so it recomputes none of them
-    recomputed = (linear - cfg.dim * cfg.ffn_dim) / linear if layout.ac == "full" else 0.0
-    block_flops = 2 * tokens * linear / tp * (3 + recomputed)
-    # causal attention: this rank's query rows against the keys before them, half the square on average
-    attention = 4 * micro_batch * cfg.heads / tp * (seq / cp) * seq * cfg.head_dim / 2
-    block_flops += attention * (1 + BACKWARD_ATTENTION_FACTOR + (layout.ac == "full"))
-    last_flops = blocks[-1] * block_flops + 6 * tokens * head_params / tp
-    compute = last_flops / cluster.flops
-    if cluster.memory_bandwidth is not None:
-        compute += blocks[-1] * tokens * _traffic_per_token(cfg, layout) * item / cluster.memory_bandwidth
-
+    compute = 0.0 if llama is None else _compute_bound(llama, layout, cluster, micro_batch, seq, item, blocks[-1])
     critical, data_parallel = _traffic_needs(cfg, layout, micro_batch, seq, item)
     fewest = min(blocks)
     step = min(
@@ -90,12 +82,31 @@ def lower_bounds(cfg: LlamaConfig, layout: Layout, cluster: Cluster, global_batc
     return Bounds(memory=SAFETY * memory, state=SAFETY * state, step_s=SAFETY * step)
 
 
+def _compute_bound(cfg: LlamaConfig, layout: Layout, cluster: Cluster, micro_batch: int, seq: int, item: int,
+                   blocks: int) -> float:  # fmt: skip
+    """Seconds one micro-batch of the last stage (``blocks`` blocks and the head) computes, at least."""
+    tp, cp = layout.tp, layout.cp
+    tokens = micro_batch * seq // cp
+    linear = cfg.layer_params() - 2 * cfg.dim
+    # full checkpointing recomputes the forward but its last product (no saved tensor needs it);
+    # selective keeps the products' outputs, so it recomputes none of them
+    recomputed = (linear - cfg.dim * cfg.ffn_dim) / linear if layout.ac == "full" else 0.0
+    block_flops = 2 * tokens * linear / tp * (3 + recomputed)
+    # causal attention: this rank's query rows against the keys before them, half the square on average
+    attention = 4 * micro_batch * cfg.heads / tp * (seq / cp) * seq * cfg.head_dim / 2
+    block_flops += attention * (1 + BACKWARD_ATTENTION_FACTOR + (layout.ac == "full"))
+    seconds = (blocks * block_flops + 6 * tokens * cfg.vocab * cfg.dim / tp) / cluster.flops
+    if cluster.memory_bandwidth is not None:
+        seconds += blocks * tokens * _traffic_per_token(cfg, layout) * item / cluster.memory_bandwidth
+    return seconds
+
+
 Need = tuple[tuple[str, ...], str, int, float, int]
 """(mesh dims of the group, collective, group size, buffer bytes, how many) that one block's
 micro-batch must issue at least."""
 
 
-def _traffic_needs(cfg: LlamaConfig, layout: Layout, micro_batch: int, seq: int,
+def _traffic_needs(cfg: PlanModel, layout: Layout, micro_batch: int, seq: int,
                    item: int) -> tuple[list[Need], list[Need]]:  # fmt: skip
     """The critical-path collectives (tp, cp) and the data-parallel ones of one block's micro-batch, at least.
 
@@ -106,9 +117,11 @@ def _traffic_needs(cfg: LlamaConfig, layout: Layout, micro_batch: int, seq: int,
     the shard.
     """
     tp, cp, shard = layout.tp, layout.cp, layout.dp_shard * layout.cp
-    activation = micro_batch * seq // cp * cfg.dim * item
-    keys_values = 2 * micro_batch * seq * cfg.heads * cfg.head_dim * item / tp
-    critical: list[Need] = [(("tp",), "all_reduce", tp, activation, 4), (("cp",), "all_gather", cp, keys_values, 3)]
+    critical: list[Need] = []
+    if isinstance(cfg, LlamaConfig):  # of another module's blocks nothing is known
+        activation = micro_batch * seq // cp * cfg.dim * item
+        keys_values = 2 * micro_batch * seq * cfg.heads * cfg.head_dim * item / tp
+        critical = [(("tp",), "all_reduce", tp, activation, 4), (("cp",), "all_gather", cp, keys_values, 3)]
     block = cfg.layer_params() * item / tp
     data_parallel: list[Need] = [
         (("dp_shard", "cp"), "all_gather", shard, block, 3),

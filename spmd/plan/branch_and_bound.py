@@ -24,6 +24,7 @@ import torch
 from spmd.plan.bounds import Bounds, lower_bounds
 from spmd.plan.cluster import Cluster, Workload
 from spmd.plan.compose import StepEstimate, stages_of, step_time, summaries
+from spmd.plan.decoder import PlanModel
 from spmd.plan.layout import AC_MODES, MESH_DIMS, Layout, divisors, factorizations, mesh_orders
 from spmd.plan.llama import LlamaConfig
 from spmd.plan.program import ProgramKey, simulate_program
@@ -64,8 +65,10 @@ class SearchResult:
     """Simulated layouts whose peak exceeded the budget."""
     fitting: list[Ranked] = field(default_factory=list)
     """Every simulated layout that fits, fastest first (``top`` is its head)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Layouts whose program raised when simulated (the model cannot run them): layout -> the error."""
     seconds: float = 0.0
-    model: LlamaConfig | None = None
+    model: PlanModel | None = None
     cluster: Cluster | None = None
     workload: Workload | None = None
     dtype: torch.dtype = torch.bfloat16
@@ -78,30 +81,34 @@ def _powers_of_two_upto(n: int) -> list[int]:
 NOT_SEARCHED = {
     "pp_cp": "pipeline stages with context parallelism: spmd has not run the two together yet (each is "
     "tested with tp and fsdp, not with the other)",
+    "pp_module": "pipeline stages of a model given as a module: the planner cannot tell which of its "
+    "parameters outside the blocks come before them and which after",
 }
 """Layouts spmd cannot run yet, by reason: listed, never estimated."""
 
 
-def not_searched(layout: Layout) -> str | None:
-    """Why spmd cannot run ``layout`` yet (a key of ``NOT_SEARCHED``), or None."""
+def not_searched(layout: Layout, model: PlanModel | None = None) -> str | None:
+    """Why spmd cannot run ``layout`` (of ``model``) yet (a key of ``NOT_SEARCHED``), or None."""
     if layout.pp > 1 and layout.cp > 1:
         return "pp_cp"
+    if layout.pp > 1 and model is not None and not isinstance(model, LlamaConfig):
+        return "pp_module"
     return None
 
 
-def admissible(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Workload) -> bool:
+def admissible(cfg: PlanModel, layout: Layout, cluster: Cluster, workload: Workload) -> bool:
     """Whether the model's shapes and the batch allow ``layout`` on ``cluster`` (runnable or not)."""
     tp, cp, pp, m = layout.tp, layout.cp, layout.pp, layout.microbatches
     if layout.world_size != cluster.world or workload.global_batch % (layout.dp * m) or cfg.layers < pp:
         return False
-    if cfg.kv_heads % tp or cfg.ffn_dim % tp or tp > cluster.ranks_per_node:
+    if not cfg.allows_tp(tp) or tp > cluster.ranks_per_node:
         return False
     if workload.seq % (2 * cp) or (tp > 1 and workload.seq // cp % tp):
         return False
     return pp == 1 or m >= pp
 
 
-def candidate_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) -> Iterator[Layout]:
+def candidate_layouts(cfg: PlanModel, cluster: Cluster, workload: Workload) -> Iterator[Layout]:
     """Every layout of the search space that the model's shapes and the batch allow (default mesh order).
 
     It includes the layouts spmd cannot run yet (``not_searched``); the search sets them apart.
@@ -119,7 +126,7 @@ def candidate_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) ->
                     yield layout
 
 
-def program_key(cfg: LlamaConfig, layout: Layout, workload: Workload, dtype: torch.dtype) -> ProgramKey:
+def program_key(cfg: PlanModel, layout: Layout, workload: Workload, dtype: torch.dtype) -> ProgramKey:
     micro_batch = workload.global_batch // layout.dp // layout.microbatches
     return ProgramKey(  # any number of whole replicas runs the same per-rank program (see ``summaries``)
         cfg, min(layout.dp_replicate, 2), layout.dp_shard, layout.cp, layout.tp, layout.sp, layout.ac, micro_batch,
@@ -127,7 +134,7 @@ def program_key(cfg: LlamaConfig, layout: Layout, workload: Workload, dtype: tor
     )  # fmt: skip
 
 
-def best_order(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Workload,
+def best_order(cfg: PlanModel, layout: Layout, cluster: Cluster, workload: Workload,
                dtype: torch.dtype) -> StepEstimate:  # fmt: skip
     """The layout's step under its fastest mesh order (the per-rank program is the same in every order)."""
     key = program_key(cfg, layout, workload, dtype)
@@ -136,7 +143,7 @@ def best_order(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Wor
     return min(estimates, key=lambda e: (e.step_s, e.layout.order != MESH_DIMS))
 
 
-def evaluate(cfg: LlamaConfig, layout: Layout, cluster: Cluster, workload: Workload,
+def evaluate(cfg: PlanModel, layout: Layout, cluster: Cluster, workload: Workload,
              dtype: torch.dtype = torch.bfloat16, *, keep_order: bool = False) -> StepEstimate:  # fmt: skip
     """Simulate one layout (under its best mesh order, or its own with ``keep_order``)."""
     if keep_order:
@@ -160,12 +167,12 @@ def dominated_by(layout: Layout) -> list[Layout]:
     return out
 
 
-def _runnable_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) -> tuple[list[Layout], dict[str, int]]:
+def _runnable_layouts(cfg: PlanModel, cluster: Cluster, workload: Workload) -> tuple[list[Layout], dict[str, int]]:
     """The candidate layouts spmd runs, and how many it cannot run yet, by reason."""
     layouts: list[Layout] = []
     skipped: dict[str, int] = {}
     for layout in candidate_layouts(cfg, cluster, workload):
-        reason = not_searched(layout)
+        reason = not_searched(layout, cfg)
         if reason is None:
             layouts.append(layout)
         else:
@@ -178,7 +185,7 @@ def _runnable_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload) ->
     return layouts, skipped
 
 
-def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, top_k: int = 5,
+def search_layouts(cfg: PlanModel, cluster: Cluster, workload: Workload, *, top_k: int = 5,
                    dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:  # fmt: skip
     """The ``top_k`` fastest layouts that fit (see the module docstring); ``exhaustive`` simulates every
     layout the memory bound keeps (the brute force the tests compare against)."""
@@ -193,6 +200,7 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
     over: list[Ranked] = []
     beaten: set[Layout] = set()  # layouts that fit, or that a fitting one dominates
     simulated = dominated = 0
+    failed: dict[str, str] = {}
     for bounds, layout in kept:
         if not exhaustive and len(top) >= top_k and bounds.step_s >= top[top_k - 1].estimate.step_s:
             break
@@ -200,7 +208,11 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
             dominated += 1
             beaten.add(layout)  # what it dominates is dominated too
             continue
-        estimate = best_order(cfg, layout, cluster, workload, dtype)
+        try:
+            estimate = best_order(cfg, layout, cluster, workload, dtype)
+        except Exception as error:  # the model cannot run it: reported, never estimated
+            failed[str(layout)] = f"{type(error).__name__}: {error}".splitlines()[0]
+            continue
         simulated += 1
         ranked = Ranked(estimate, bounds)
         if estimate.peak > cluster.memory:
@@ -219,6 +231,7 @@ def search_layouts(cfg: LlamaConfig, cluster: Cluster, workload: Workload, *, to
         dominated=dominated,
         programs=simulate_program.cache_info().misses,
         over_budget=over,
+        failed=failed,
         seconds=time.perf_counter() - started,
         model=cfg,
         cluster=cluster,

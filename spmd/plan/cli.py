@@ -9,6 +9,7 @@ python -m spmd.plan ... --plot frontier.png              # memory against step t
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 import time
@@ -18,6 +19,7 @@ import torch
 
 from spmd.plan.branch_and_bound import evaluate, not_searched, search_layouts
 from spmd.plan.cluster import Cluster, Workload
+from spmd.plan.decoder import ModuleDecoder, PlanModel
 from spmd.plan.layout import parse_layout
 from spmd.plan.llama import GPT_PRESETS, LLAMA_PRESETS, LlamaConfig
 from spmd.plan.report import format_explain, format_header, format_result, plot_frontier
@@ -46,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batches, mesh order) of a model on a cluster: each simulated on meta tensors through spmd, "
         "ranked by step time, with the reasons.",
     )
-    parser.add_argument("--model", choices=sorted(_PRESETS), default="llama")
+    parser.add_argument(
+        "--model", default="llama", help="llama, gpt, or package.module:NAME naming a spmd.plan.ModuleDecoder"
+    )
     parser.add_argument("--preset", default="8b", help="llama: debug, 1b, 8b, 70b, 405b; gpt: demo, 7b")
     for name in ("layers", "dim", "heads", "kv-heads", "ffn-dim", "vocab"):
         parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
@@ -73,7 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_config(args: argparse.Namespace) -> LlamaConfig:
+def model_config(args: argparse.Namespace) -> PlanModel:
+    """The built-in preset, with the size flags applied; or ``--model package.module:NAME``, a
+    ``ModuleDecoder`` (or ``LlamaConfig``) defined in the user's code."""
+    if ":" in args.model:
+        return _imported_model(args.model)
+    if args.model not in _PRESETS:
+        raise ValueError(f"--model {args.model!r}: write llama, gpt, or package.module:NAME for a ModuleDecoder")
     presets = _PRESETS[args.model]
     if args.preset not in presets:
         raise ValueError(f"--preset {args.preset!r}: the {args.model} presets are {sorted(presets)}")
@@ -88,6 +98,17 @@ def model_config(args: argparse.Namespace) -> LlamaConfig:
             f"--dim {cfg.dim}, --heads {cfg.heads}, --kv-heads {cfg.kv_heads}: heads must divide dim and kv heads divide heads"
         )
     return cfg
+
+
+def _imported_model(text: str) -> PlanModel:
+    module_name, _, attr = text.partition(":")
+    try:
+        model = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--model {text!r}: cannot import {attr!r} from {module_name!r} ({error})") from error
+    if not isinstance(model, (ModuleDecoder, LlamaConfig)):
+        raise ValueError(f"--model {text!r} is a {type(model).__name__}; give a spmd.plan.ModuleDecoder")
+    return model
 
 
 def run(args: argparse.Namespace) -> str:
@@ -107,7 +128,7 @@ def run(args: argparse.Namespace) -> str:
     )
     workload = Workload(args.global_batch or args.world, args.seq)
     dtype = _DTYPES[args.dtype]
-    name = f"{args.model} {args.preset}"
+    name = str(cfg) if ":" in args.model else f"{args.model} {args.preset}"
     if args.explain:
         layout = parse_layout(args.explain)
         if layout.world_size != cluster.world:

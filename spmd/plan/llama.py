@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "Llama", "LLAMA_PRESETS", "GPT_PRESETS"]
+from spmd.tensor import Replicate, Shard
+from spmd.tensor_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = ["LlamaConfig", "Llama", "LLAMA_PRESETS", "GPT_PRESETS", "tp_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +53,17 @@ class LlamaConfig:
             vocab=self.vocab,
             gated=self.gated,
         )
+
+    def build(self, layers: int) -> Llama:
+        """The model with ``layers`` blocks (on the current default device)."""
+        return Llama(self.with_layers(layers))
+
+    def tp_plan(self, sp: bool) -> dict[str, ParallelStyle]:
+        return tp_plan(sp, gated=self.gated)
+
+    def allows_tp(self, tp: int) -> bool:
+        """Whether tensor parallelism of degree ``tp`` gives each rank whole heads and MLP columns."""
+        return self.kv_heads % tp == 0 and self.ffn_dim % tp == 0
 
     def layer_params(self) -> int:
         """Parameters of one block (projections, MLP, two norm weights)."""
@@ -134,3 +154,22 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
+
+
+def tp_plan(sp: bool, *, gated: bool = True) -> dict[str, ParallelStyle]:
+    """torchtitan's Llama plan: column-wise in, row-wise out, vocab-sharded logits for loss_parallel."""
+    act = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+    columns = ["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"] + ["feed_forward.w3"] * gated
+    for name in columns:
+        plan[f"layers.*.{name}"] = ColwiseParallel()
+    if sp:
+        plan.update({name: SequenceParallel() for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")})
+    return plan

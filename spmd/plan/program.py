@@ -32,24 +32,18 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from spmd.checkpoint.optimizer_state import init_optimizer_state
 from spmd.comm import use_world
 from spmd.fsdp import fully_shard
-from spmd.plan.llama import Llama, LlamaConfig
+from spmd.plan.decoder import PlanModel
+from spmd.plan.llama import tp_plan
 from spmd.plan.recorder import Segment, StepRecorder
 from spmd.simulate.memory import local_storages
 from spmd.simulate.meta_semantics import MetaAsCpu
 from spmd.simulate.world import SimulatedWorld
-from spmd.tensor import DeviceMesh, DTensor, Replicate, Shard, init_device_mesh
+from spmd.tensor import DeviceMesh, DTensor, init_device_mesh
 from spmd.tensor.experimental import context_parallel
-from spmd.tensor_parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from spmd.tensor_parallel import loss_parallel, parallelize_module
 
 __all__ = [
+    "tp_plan",
     "ProgramKey",
     "Program",
     "Segment",
@@ -70,7 +64,7 @@ PROGRAM_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 class ProgramKey:
     """Everything that decides one rank's micro-batch program."""
 
-    model: LlamaConfig
+    model: PlanModel
     dp_replicate: int
     dp_shard: int
     cp: int
@@ -107,23 +101,12 @@ class Program:
 ORDER = ("embed", "fwd_first", "fwd_block", "fwd_last", "head", "bwd_last", "bwd_block", "bwd_first", "embed_bwd")
 
 
-def tp_plan(sp: bool, *, gated: bool = True) -> dict[str, ParallelStyle]:
-    """torchtitan's Llama plan: column-wise in, row-wise out, vocab-sharded logits for loss_parallel."""
-    act = Shard(1) if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
-    }
-    columns = ["attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"] + ["feed_forward.w3"] * gated
-    for name in columns:
-        plan[f"layers.*.{name}"] = ColwiseParallel()
-    if sp:
-        plan.update({name: SequenceParallel() for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")})
-    return plan
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The model's identical blocks: its ``layers`` ModuleList (the planner repeats and stages them)."""
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no .layers ModuleList of blocks; the planner needs one")
+    return blocks
 
 
 _SAVED_BY_SELECTIVE = [
@@ -172,29 +155,33 @@ def _data_parallel_mesh(mesh: DeviceMesh, key: ProgramKey) -> DeviceMesh | None:
 
 
 def build(key: ProgramKey, mesh: DeviceMesh, *, layers: int = PROGRAM_BLOCKS,
-          device: str = "meta") -> tuple[Llama, torch.optim.Optimizer]:  # fmt: skip
+          device: str = "meta") -> tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
     """The model of ``layers`` blocks laid out as ``key`` says, and its AdamW, on ``mesh``.
 
     On meta in the simulated world for planning; on a real device and mesh (``device="cpu"``,
     gloo) the same code trains the layout for real, which is how the predictions are checked.
     """
     with torch.device(device):
-        model = Llama(key.model.with_layers(layers)).to(key.dtype)
+        model = key.model.build(layers).to(key.dtype)
     if key.tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(key.sp, gated=key.model.gated))
+        plan = key.model.tp_plan(key.sp)
+        if plan is None:
+            raise ValueError(f"{key.model} has no tensor-parallel plan; tp must be 1")
+        parallelize_module(model, mesh["tp"], plan)
     if key.ac != "none":
-        for i, block in enumerate(model.layers):
-            model.layers[i] = _Checkpointed(block, key.ac)
+        blocks = blocks_of(model)
+        for i, block in enumerate(blocks):
+            blocks[i] = _Checkpointed(block, key.ac)
     dp_mesh = _data_parallel_mesh(mesh, key)
     if dp_mesh is not None:
-        for block in model.layers:
+        for block in blocks_of(model):
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     return model, optimizer
 
 
-def train_microbatch(model: Llama, key: ProgramKey, mesh: DeviceMesh, tokens: torch.Tensor,
+def train_microbatch(model: nn.Module, key: ProgramKey, mesh: DeviceMesh, tokens: torch.Tensor,
                      targets: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """One micro-batch's forward and backward: this rank's ``tokens`` and ``targets`` (whole
     sequences; context parallel shards them in place). Returns the loss."""
@@ -202,7 +189,7 @@ def train_microbatch(model: Llama, key: ProgramKey, mesh: DeviceMesh, tokens: to
         return _loss(model, tokens, targets, key.tp)
 
 
-def _loss(model: Llama, tokens: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
+def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
     logits = model(tokens)
     if tp > 1:
         with loss_parallel():
@@ -224,12 +211,13 @@ def _sequence_shards(mesh: DeviceMesh, key: ProgramKey, tokens: torch.Tensor, ta
         yield
 
 
-def _mark_blocks(model: Llama, recorder: StepRecorder) -> list[Any]:
+def _mark_blocks(model: nn.Module, recorder: StepRecorder) -> list[Any]:
     """Hooks that cut the timeline at each block's forward start and backward start."""
     names = ("fwd_first", "fwd_block", "fwd_last")
     backward = ("bwd_first", "bwd_block", "bwd_last")
     handles = []
-    for i, block in enumerate(model.layers):
+    blocks = blocks_of(model)
+    for i, block in enumerate(blocks):
 
         def before(module: nn.Module, args: Any, i: int = i) -> None:
             recorder.mark(names[i])
@@ -242,7 +230,7 @@ def _mark_blocks(model: Llama, recorder: StepRecorder) -> list[Any]:
 
         handles.append(block.register_forward_pre_hook(before))
         handles.append(block.register_forward_hook(after))
-    first = model.layers[0]
+    first = blocks[0]
 
     # the end of block 0's backward: the gradient of its input
     def input_grad(module: nn.Module, args: Any) -> None:
@@ -263,7 +251,7 @@ def simulate_program(key: ProgramKey) -> Program:
         mesh = init_device_mesh("meta", shape, mesh_dim_names=PROGRAM_DIMS)
         model, _ = build(key, mesh)
         # AdamW's work and state are in proportion to the parameters: block 1's stand for all of them
-        optimizer = torch.optim.AdamW(model.layers[1].parameters(), lr=1e-4, foreach=False)
+        optimizer = torch.optim.AdamW(blocks_of(model)[1].parameters(), lr=1e-4, foreach=False)
         init_optimizer_state(optimizer)
         optimizer.zero_grad()
         param_bytes = _param_bytes(model)
@@ -294,15 +282,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _param_bytes(model: Llama) -> dict[str, int]:
+def _param_bytes(model: nn.Module) -> dict[str, int]:
+    """Local parameter bytes of one block, before the blocks ("embed") and after them ("head").
+
+    For a module other than the built-in Llama, everything outside the blocks counts as "embed".
+    """
+
     def local_bytes(module: nn.Module) -> int:
         return sum(_local(p).nbytes for p in module.parameters())
 
-    return {
-        "block": local_bytes(model.layers[1]),
-        "embed": local_bytes(model.tok_embeddings),
-        "head": local_bytes(model.norm) + local_bytes(model.output),
-    }
+    blocks = blocks_of(model)
+    block = local_bytes(blocks[1])
+    names = ("tok_embeddings", "norm", "output")
+    if not all(hasattr(model, name) for name in names):
+        return {"block": block, "embed": local_bytes(model) - len(blocks) * block, "head": 0}
+    part = model.get_submodule
+    head = local_bytes(part("norm")) + local_bytes(part("output"))
+    return {"block": block, "embed": local_bytes(part("tok_embeddings")), "head": head}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import torch
 from spmd.plan.branch_and_bound import SearchResult, program_key
 from spmd.plan.cluster import Cluster, Workload
 from spmd.plan.compose import StepEstimate, group_dims, stage_blocks
-from spmd.plan.llama import LlamaConfig
+from spmd.plan.decoder import PlanModel
 from spmd.plan.program import simulate_program
 from spmd.plan.why import memory_line, order_line, time_line, why
 from spmd.simulate.report import human_bytes, human_seconds
@@ -21,7 +21,7 @@ def _exposed(estimate: StepEstimate) -> str:
     return human_seconds(sum(estimate.exposed_s.values())) if estimate.exposed_s else "-"
 
 
-def format_header(cfg: LlamaConfig, name: str, cluster: Cluster, workload: Workload, dtype: torch.dtype) -> str:
+def format_header(cfg: PlanModel, name: str, cluster: Cluster, workload: Workload, dtype: torch.dtype) -> str:
     params = cfg.params()
     return (
         f"{name}: {params / 1e9:.1f}B parameters, {cfg.layers} layers; {cluster.world} ranks "
@@ -43,6 +43,9 @@ def format_result(result: SearchResult, name: str = "model", *, reasons: bool = 
     )
     for reason, count in result.not_searched.items():
         lines.append(f"not searched: {count} layouts, {reason}")
+    if result.failed:
+        layout, error = next(iter(result.failed.items()))
+        lines.append(f"could not run {len(result.failed)} layouts, e.g. {layout}: {error}")
     if not result.top:
         lines.append(f"\nno layout fits {human_bytes(cluster.memory)} per rank")
         return "\n".join(lines)
@@ -66,7 +69,7 @@ def format_result(result: SearchResult, name: str = "model", *, reasons: bool = 
     return "\n".join(lines)
 
 
-def format_explain(estimate: StepEstimate, cfg: LlamaConfig, cluster: Cluster, workload: Workload,
+def format_explain(estimate: StepEstimate, cfg: PlanModel, cluster: Cluster, workload: Workload,
                    dtype: torch.dtype) -> str:  # fmt: skip
     """One plan: its memory and time, then each block's collectives (per micro-batch) and the ops behind them."""
     layout = estimate.layout

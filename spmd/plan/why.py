@@ -18,8 +18,8 @@ from spmd.plan.bounds import lower_bounds
 from spmd.plan.branch_and_bound import admissible, evaluate, not_searched, relaxed
 from spmd.plan.cluster import Cluster, Workload
 from spmd.plan.compose import StepEstimate
+from spmd.plan.decoder import PlanModel
 from spmd.plan.layout import Layout, groups_share_node
-from spmd.plan.llama import LlamaConfig
 from spmd.simulate.report import human_bytes, human_seconds
 
 __all__ = ["Reason", "why", "memory_line", "time_line"]
@@ -101,7 +101,7 @@ def _choice(dim: str, layout: Layout) -> str:
     return f"dp={layout.dp_replicate} replicas"
 
 
-def _reason(dim: str, plan: StepEstimate, other: Layout, cfg: LlamaConfig, cluster: Cluster, workload: Workload,
+def _reason(dim: str, plan: StepEstimate, other: Layout, cfg: PlanModel, cluster: Cluster, workload: Workload,
             dtype: torch.dtype) -> Reason:  # fmt: skip
     choice = _choice(dim, plan.layout)
     budget = human_bytes(cluster.memory)
@@ -163,14 +163,14 @@ def _with_batch(layout: Layout, workload: Workload) -> Layout:
     return replace(layout, microbatches=m)
 
 
-def why(plan: StepEstimate, cfg: LlamaConfig, cluster: Cluster, workload: Workload,
+def why(plan: StepEstimate, cfg: PlanModel, cluster: Cluster, workload: Workload,
         dtype: torch.dtype = torch.bfloat16) -> tuple[list[str], list[Reason]]:  # fmt: skip
     """The lines that explain ``plan``: memory, time, mesh order, then one ``Reason`` per costly choice."""
     lines = [memory_line(plan, cluster), time_line(plan, cluster), order_line(plan.layout, cluster)]
     neighbours: dict[str, Layout] = {}
     for dim, other in relaxed(plan.layout):
         other = _with_batch(other, workload)
-        if dim not in neighbours and admissible(cfg, other, cluster, workload) and not_searched(other) is None:
+        if dim not in neighbours and admissible(cfg, other, cluster, workload) and not_searched(other, cfg) is None:
             neighbours[dim] = other
     reasons = [_reason(dim, plan, other, cfg, cluster, workload, dtype) for dim, other in neighbours.items()]
     return lines, reasons

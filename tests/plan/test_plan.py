@@ -161,3 +161,27 @@ def test_program_key_shares_one_program_among_any_number_of_replicas() -> None:
     a = program_key(TINY, Layout(dp_replicate=2, dp_shard=2), WORKLOAD, torch.bfloat16)
     b = program_key(TINY, Layout(dp_replicate=4, dp_shard=2), Workload(8, 128), torch.bfloat16)
     assert a == b
+
+
+def test_any_decoder_module_is_planned_and_what_it_cannot_run_is_reported() -> None:
+    """A module the planner has no shape for: its blocks are simulated and repeated like a built-in
+    model's; layouts it cannot run (its position table needs the whole sequence, so no cp) are
+    reported with the error, and without a tensor-parallel plan tp is not searched."""
+    from tests.plan.custom_model import MLP_DECODER, SEQ
+
+    result = search(MLP_DECODER, Cluster(world=4, memory=2**40, ranks_per_node=4), Workload(4, SEQ), top_k=3)
+    assert result.top and all(r.layout.tp == 1 and r.layout.cp == 1 for r in result.top)
+    assert result.failed and all("cp=" in layout for layout in result.failed)
+    assert any("module" in reason for reason in result.not_searched)  # no pipeline stages of a module
+    layout = Layout(dp_shard=2)
+    key = ProgramKey(MLP_DECODER, 1, 2, 1, 1, False, "none", 2, SEQ)
+    stage = estimate_step(key, layout, Cluster(world=2), layers=6).stages[0]
+    whole = simulate_whole(key, layers=6)
+    assert (stage.microbatch.flops, stage.peak) == (whole.flops, whole.peak)
+
+
+def test_the_command_line_plans_a_module_named_by_its_import_path(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "tests.plan.custom_model:MLP_DECODER", "--world", "2", "--seq", "128", "--top", "1"]
+    assert main(argv) == 0
+    assert "mlp decoder" in capsys.readouterr().out
+    assert main(["--model", "tests.plan.custom_model:nothing", "--world", "2"]) == 2
