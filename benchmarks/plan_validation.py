@@ -76,7 +76,7 @@ TIMEOUT_S = 1800.0
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """What one gloo world measured of the machine: FLOP/s per rank and all_reduce times."""
+    """What one gloo world measured of the machine: FLOP/s and elementwise bandwidth per rank, collective times."""
 
     world: int
     peak_flops: float

@@ -8,7 +8,7 @@ or collectives that matter for a plan) and would need position buffers sharded w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +44,7 @@ class LlamaConfig:
         return self.dim // self.heads
 
     def with_layers(self, layers: int) -> LlamaConfig:
-        return LlamaConfig(
-            layers=layers,
-            dim=self.dim,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            ffn_dim=self.ffn_dim,
-            vocab=self.vocab,
-            gated=self.gated,
-        )
+        return replace(self, layers=layers)
 
     def build(self, layers: int) -> Llama:
         """The model with ``layers`` blocks (on the current default device)."""
