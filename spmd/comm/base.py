@@ -139,7 +139,7 @@ class CollectiveRecord:
         """Bytes a rank receives under the usual ring algorithms: the cost model's unit (0 for a
         collective the ring model does not price)."""
         # Imported here: spmd.comm sits below spmd.tensor, whose package import needs spmd.comm;
-        # the cost module itself imports nothing from spmd.
+        # the cost module itself imports nothing of the library.
         from spmd.tensor.redistribute.cost import RING_KINDS, received_bytes
 
         if self.kind not in RING_KINDS:

@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
-from spmd.plan.llama import Llama, LlamaConfig
-from spmd.plan.program import tp_plan
 from spmd.tensor import DeviceMesh, DTensor, init_device_mesh
 from spmd.tensor.debug import CommDebugMode
 from spmd.tensor_parallel import loss_parallel, parallelize_module
 from spmd.testing import run_threaded, seeded_module
+from spmd.testing.llama import Llama, LlamaConfig, tp_plan
 
 CFG = LlamaConfig(layers=2, dim=64, heads=4, kv_heads=2, ffn_dim=96, vocab=128)
 NAMES = ("dp_replicate", "dp_shard", "tp")

@@ -14,7 +14,7 @@ ring algorithms a rank receives
 Its time is ``rounds * latency + received / bandwidth``, with ``2(n-1)`` rounds for all_reduce and
 ``n-1`` for the others. A group of one rank moves nothing and takes no time.
 
-This module imports nothing from spmd, so any layer may read it.
+This module imports nothing of the library, so any layer may read it.
 """
 
 from __future__ import annotations
