@@ -58,7 +58,7 @@ def lower_bounds(cfg: PlanModel, layout: Layout, cluster: Cluster, global_batch:
     For a model that is not a built-in ``LlamaConfig`` only the training state and the
     data-parallel traffic are bounded: nothing is known of its blocks' FLOPs or activations.
     """
-    item = torch.empty((), dtype=dtype, device="meta").element_size()
+    item = dtype.itemsize
     tp, cp, pp, m = layout.tp, layout.cp, layout.pp, layout.microbatches
     micro_batch = global_batch // layout.dp // m
     blocks = stage_blocks(cfg.layers, pp)

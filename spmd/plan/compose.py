@@ -28,8 +28,6 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from spmd.plan.cluster import Cluster
 from spmd.plan.layout import Layout, groups_share_node
 from spmd.plan.program import PROGRAM_DIMS, ProgramKey, Segment, simulate_program
@@ -274,7 +272,7 @@ def _p2p(key: ProgramKey, layout: Layout, cluster: Cluster, stage: int) -> tuple
     gradient back, each the size of the stage's output)."""
     if layout.pp == 1:
         return 0.0, 0
-    item = torch.empty((), dtype=key.dtype, device="meta").element_size()
+    item = key.dtype.itemsize
     nbytes = key.micro_batch * key.seq // key.cp * key.model.dim * item // (key.tp if key.sp else 1)
     edges = int(stage > 0) + int(stage < layout.pp - 1)
     link = cluster.link(groups_share_node(layout, ("pp",), cluster.ranks_per_node))

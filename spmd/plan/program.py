@@ -98,9 +98,6 @@ class Program:
     """How long simulating it took."""
 
 
-ORDER = ("embed", "fwd_first", "fwd_block", "fwd_last", "head", "bwd_last", "bwd_block", "bwd_first", "embed_bwd")
-
-
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """The model's identical blocks: its ``layers`` ModuleList (the planner repeats and stages them)."""
     blocks = getattr(model, "layers", None)
